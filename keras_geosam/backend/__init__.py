@@ -1,0 +1,50 @@
+"""Backend-specific automatic differentiation, chosen once at import time.
+
+Everything outside this folder is written in ``keras.ops``; the few things
+Keras does not offer (gradients, Hessian-vector products, vectorised
+per-example gradients, compilation of a pure function) come from the active
+backend's own AD through one thin module each. Every module exposes the same
+functions, all taking a pure function ``f(params, *args)`` where ``params`` is
+a list of backend tensors:
+
+- ``value_and_grad(f, params, *args, has_aux=False)``
+- ``jvp(f, params, tangents, *args)`` -> ``(f(params), J tangents)``
+- ``vjp(f, params, cotangent, *args)`` -> ``J^T cotangent`` (list)
+- ``hvp(f, params, vectors, *args)`` -> Hessian of scalar ``f`` times ``vectors``
+- ``per_example_grads(f, params, *batch)`` -> gradients of ``f(params, *example)``
+  for every example along axis 0 of ``batch`` (vectorised, no Python loop)
+- ``compile(fn)`` -> a compiled version of a pure function (or ``fn`` itself)
+"""
+
+import keras
+
+_name = keras.backend.backend()
+if _name == "jax":
+    from keras_geosam.backend import jax as _impl
+elif _name == "tensorflow":
+    from keras_geosam.backend import tensorflow as _impl
+elif _name == "torch":
+    from keras_geosam.backend import torch as _impl
+else:  # numpy / openvino have no autodiff
+    raise ImportError(
+        f"keras_geosam needs a differentiable Keras backend (jax, tensorflow "
+        f"or torch); KERAS_BACKEND is {_name!r}."
+    )
+
+name = _name
+value_and_grad = _impl.value_and_grad
+jvp = _impl.jvp
+vjp = _impl.vjp
+hvp = _impl.hvp
+per_example_grads = _impl.per_example_grads
+compile = _impl.compile
+
+__all__ = [
+    "name",
+    "value_and_grad",
+    "jvp",
+    "vjp",
+    "hvp",
+    "per_example_grads",
+    "compile",
+]

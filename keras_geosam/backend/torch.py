@@ -1,0 +1,72 @@
+"""PyTorch specialisation: torch.autograd and torch.func.
+
+Keras layers read ``Variable.value``, so parameters are substituted through
+``keras.StatelessScope`` inside ``f`` (``torch.func.functional_call`` would
+have no effect); here we only differentiate ``f`` with respect to the tensors
+it is given.
+"""
+
+import torch
+import torch.func
+
+
+def _leaves(params):
+    return [p.detach().requires_grad_(True) for p in params]
+
+
+def _fill(grads, params):
+    return [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+
+
+def value_and_grad(f, params, *args, has_aux=False):
+    with torch.enable_grad():
+        leaves = _leaves(params)
+        out = f(leaves, *args)
+        value = out[0] if has_aux else out
+        grads = torch.autograd.grad(value, leaves, allow_unused=True)
+    grads = [g.detach() for g in _fill(grads, leaves)]
+    if has_aux:
+        return (value.detach(), out[1]), grads
+    return value.detach(), grads
+
+
+def jvp(f, params, tangents, *args):
+    return torch.func.jvp(lambda p: f(p, *args), (list(params),), (list(tangents),))
+
+
+def vjp(f, params, cotangent, *args):
+    with torch.enable_grad():
+        leaves = _leaves(params)
+        out = f(leaves, *args)
+        grads = torch.autograd.grad(out, leaves, grad_outputs=cotangent, allow_unused=True)
+    return [g.detach() for g in _fill(grads, leaves)]
+
+
+def hvp(f, params, vectors, *args):
+    # Double backward on <grad f, v>: about two to three gradients in cost,
+    # and it works for every op Keras emits.
+    with torch.enable_grad():
+        leaves = _leaves(params)
+        loss = f(leaves, *args)
+        grads = torch.autograd.grad(loss, leaves, create_graph=True, allow_unused=True)
+        terms = [
+            (g * v).sum()
+            for g, v in zip(grads, vectors)
+            if g is not None and g.requires_grad
+        ]
+        if not terms:  # f is at most linear in params
+            return [torch.zeros_like(p) for p in params]
+        out = torch.autograd.grad(sum(terms), leaves, allow_unused=True)
+    return [o.detach() for o in _fill(out, leaves)]
+
+
+def per_example_grads(f, params, *batch):
+    def one(*example):
+        return torch.func.grad(f)(list(params), *[e[None] for e in example])
+
+    with torch.no_grad():
+        return torch.func.vmap(one)(*batch)
+
+
+def compile(fn):
+    return fn

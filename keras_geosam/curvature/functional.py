@@ -1,0 +1,196 @@
+"""Pure functions of a Keras model's weights, shared by every curvature routine.
+
+``ModelFunctions`` turns a built model into functions of an explicit list of
+trainable values (substituted through ``Layer.stateless_call``, so nothing is
+assigned and the same code runs under jit on every backend). The per-batch
+kernels (loss and gradient, HVP, GGN-vector product, per-example gradients)
+are compiled once per model and loss and reused across probes and batches.
+"""
+
+import weakref
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_geosam import backend
+from keras_geosam.curvature.losses import require_classifier
+from keras_geosam.curvature.losses import resolve_loss
+
+_CACHE = weakref.WeakKeyDictionary()
+
+
+class ModelFunctions:
+    """Loss, log-probabilities and their derivatives as pure functions.
+
+    Args:
+        model: a built, single-output ``keras.Model``.
+        loss: loss to use instead of the model's compiled loss.
+        training: run layers in training mode (default False: BatchNorm uses
+            its moving statistics and dropout is off, as curvature needs).
+        include_regularization: add the model's regularisation losses to the
+            loss (Fisher quantities never include them).
+    """
+
+    def __init__(self, model, loss=None, training=False, include_regularization=True):
+        if not model.built:
+            raise ValueError(
+                "The model is not built: call it on data (or build it) before "
+                "asking for curvature."
+            )
+        self.model = model
+        self.spec = resolve_loss(model, loss)
+        self.training = bool(training)
+        self.include_regularization = include_regularization
+        self.variables = list(model.trainable_variables)
+        self.paths = [v.path for v in self.variables]
+        self._kernels = {}
+
+    # ----------------------------------------------------------- state ----
+    def params(self):
+        return [v.value for v in self.variables]
+
+    def non_trainable(self):
+        return [v.value for v in self.model.non_trainable_variables]
+
+    def check_vectors(self, vectors, what="vectors"):
+        """Raises unless `vectors` is a list matching the trainable variables."""
+        if not isinstance(vectors, (list, tuple)) or len(vectors) != len(self.variables):
+            raise ValueError(
+                f"{what} must be a list with one array per trainable variable "
+                f"({len(self.variables)}); got "
+                f"{type(vectors).__name__} of length "
+                f"{len(vectors) if hasattr(vectors, '__len__') else '?'}."
+            )
+        out = []
+        for v, var in zip(vectors, self.variables):
+            shape = tuple(ops.shape(v))
+            if shape != tuple(var.shape):
+                raise ValueError(
+                    f"{what}: shape {shape} does not match variable "
+                    f"{var.path!r} of shape {tuple(var.shape)}."
+                )
+            out.append(ops.convert_to_tensor(v, dtype=var.dtype))
+        return out
+
+    # ------------------------------------------------- pure functions ----
+    def outputs(self, params, nt, x):
+        out = self.model.stateless_call(params, nt, x, training=self.training, return_losses=True)
+        y_pred, _, losses = out
+        if isinstance(y_pred, (list, tuple, dict)):
+            raise ValueError("keras_geosam curvature routines need a single-output model.")
+        return y_pred, losses
+
+    def loss(self, params, nt, x, y):
+        """Mean loss over the batch, plus regularisation losses."""
+        y_pred, losses = self.outputs(params, nt, x)
+        value = ops.mean(self.spec.per_example(y, y_pred))
+        if self.include_regularization and losses:
+            value = value + ops.sum(ops.stack([ops.cast(l, value.dtype) for l in losses]))
+        return value
+
+    def log_probs(self, params, nt, x):
+        require_classifier(self.spec, "This quantity")
+        return self.spec.log_probs(self.outputs(params, nt, x)[0])
+
+    def nll(self, params, nt, x, labels):
+        """Mean negative log-likelihood of integer `labels` (no regularisers)."""
+        logp = self.log_probs(params, nt, x)
+        picked = ops.take_along_axis(logp, ops.expand_dims(ops.cast(labels, "int32"), -1), axis=-1)
+        return -ops.mean(picked)
+
+    def ggn_surrogate(self, params, nt, x, scale):
+        """-scale * sum_n sum_k sg(p_nk) log p_nk; its Hessian is the GGN.
+
+        Its gradient is J^T (p - sg(p)) = 0 at the point and its Hessian
+        J^T (diag p - p p^T) J, the Fisher = Gauss-Newton matrix of softmax
+        cross-entropy, because the second-order term is multiplied by
+        p - sg(p) = 0.
+        """
+        logp = self.log_probs(params, nt, x)
+        p = ops.stop_gradient(ops.exp(logp))
+        return -scale * ops.sum(p * logp)
+
+    # ------------------------------------------------------ kernels ----
+    def kernel(self, name):
+        """Compiled per-batch kernel `name`, built once."""
+        if name not in self._kernels:
+            self._kernels[name] = backend.compile(getattr(self, "_k_" + name))
+        return self._kernels[name]
+
+    def _k_loss_and_grad(self, params, nt, x, y):
+        return backend.value_and_grad(self.loss, params, nt, x, y)
+
+    def _k_hvp(self, params, nt, vectors, x, y):
+        return backend.hvp(self.loss, params, vectors, nt, x, y)
+
+    def _k_ggnvp(self, params, nt, vectors, x, scale):
+        return backend.hvp(self.ggn_surrogate, params, vectors, nt, x, scale)
+
+    def _k_per_example_grads(self, params, nt, x, y):
+        def f(p, xi, yi):
+            y_pred, _ = self.outputs(p, nt, xi)
+            return ops.mean(self.spec.per_example(yi, y_pred))
+
+        return backend.per_example_grads(f, params, x, y)
+
+    def _k_per_example_nll_grads(self, params, nt, x, labels):
+        return backend.per_example_grads(lambda p, xi, li: self.nll(p, nt, xi, li), params, x, labels)
+
+    def _k_probs(self, params, nt, x):
+        return ops.exp(self.log_probs(params, nt, x))
+
+
+def model_functions(model, loss=None, training=False, include_regularization=True):
+    """Cached :class:`ModelFunctions`, so compiled kernels survive across calls."""
+    loss_obj = loss if loss is not None else getattr(model, "loss", None)
+    var_ids = [id(v) for v in model.trainable_variables]
+    per_model = _CACHE.setdefault(model, {})
+    key = (id(loss_obj), bool(training), bool(include_regularization))
+    fns = per_model.get(key)
+    if fns is None or fns.loss_obj is not loss_obj or fns.var_ids != var_ids:
+        fns = ModelFunctions(model, loss, training, include_regularization)
+        fns.loss_obj, fns.var_ids = loss_obj, var_ids
+        per_model[key] = fns
+    return fns
+
+
+# ------------------------------------------------------------ data ------
+def num_examples(x):
+    first = x[0] if isinstance(x, (list, tuple)) else x
+    return int(ops.shape(first)[0])
+
+
+def batches(x, y=None, batch_size=None):
+    """Yields `(x_b, y_b, n_b)` slices of at most `batch_size` examples."""
+    n = num_examples(x)
+    if n == 0:
+        raise ValueError("Empty data: at least one example is needed.")
+    if batch_size is None:
+        batch_size = n
+    batch_size = int(batch_size)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    for start in range(0, n, batch_size):
+        stop = min(start + batch_size, n)
+        xb = _slice(x, start, stop)
+        yb = None if y is None else _slice(y, start, stop)
+        yield xb, yb, stop - start
+
+
+def _slice(a, start, stop):
+    if isinstance(a, (list, tuple)):
+        return type(a)(_slice(e, start, stop) for e in a)
+    if isinstance(a, np.ndarray):
+        return ops.convert_to_tensor(a[start:stop])
+    return a[start:stop]
+
+
+def to_numpy_list(tensors):
+    return [np.asarray(ops.convert_to_numpy(t)) for t in tensors]
+
+
+def progbar(total, verbose, name):
+    if not verbose:
+        return None
+    return keras.utils.Progbar(total, verbose=1 if verbose is True else verbose, unit_name=name)

@@ -1,0 +1,95 @@
+"""Which loss a curvature routine differentiates, and whether it is a classifier.
+
+Fisher quantities need a probabilistic classifier: a categorical
+cross-entropy on logits (``from_logits=True``) or on softmax probabilities.
+Anything else gets a ``ValueError`` naming the loss, never a number.
+"""
+
+import dataclasses
+
+import keras
+from keras import ops
+
+_CLASSIFIER_FNS = {
+    "sparse_categorical_crossentropy": True,
+    "categorical_crossentropy": False,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """A resolved loss: per-example values plus what it means for a classifier.
+
+    Attributes:
+        name: readable name of the loss.
+        per_example: ``fn(y_true, y_pred) -> (batch,)`` per-example losses.
+        classifier: True for a categorical cross-entropy.
+        from_logits: whether ``y_pred`` holds logits (else probabilities).
+        sparse: whether labels are integer class ids (else one-hot/soft).
+    """
+
+    name: str
+    per_example: object
+    classifier: bool = False
+    from_logits: bool = False
+    sparse: bool = False
+
+    def log_probs(self, y_pred):
+        """Log-probabilities of the model's predictive distribution."""
+        if self.from_logits:
+            return ops.log_softmax(y_pred, axis=-1)
+        # log_softmax(log p) = log p renormalised; clipping as Keras' own
+        # cross-entropy does keeps log finite for saturated softmax outputs.
+        eps = keras.config.epsilon()
+        return ops.log_softmax(ops.log(ops.clip(y_pred, eps, 1.0)), axis=-1)
+
+
+def resolve_loss(model, loss=None):
+    """The model's compiled loss (or ``loss``) as a :class:`LossSpec`."""
+    if loss is None:
+        loss = getattr(model, "loss", None)
+        if loss is None:
+            raise ValueError(
+                "No loss to differentiate: compile the model with a loss or "
+                "pass `loss=` explicitly."
+            )
+    if isinstance(loss, (list, tuple, dict)):
+        raise ValueError(
+            "keras_geosam curvature routines support single-output models with "
+            f"one loss; got {loss!r}."
+        )
+    if isinstance(loss, str):
+        obj = keras.losses.get(loss)
+        if obj is None:
+            raise ValueError(f"Unknown loss {loss!r}.")
+        loss = obj
+    if isinstance(loss, keras.losses.Loss):
+        fn = getattr(loss, "fn", None)
+        kwargs = dict(getattr(loss, "_fn_kwargs", {}) or {})
+        fn_name = getattr(fn, "__name__", type(loss).__name__)
+        per_example = loss.call
+    elif callable(loss):
+        fn, kwargs = loss, {}
+        fn_name = getattr(loss, "__name__", repr(loss))
+        per_example = loss
+    else:
+        raise ValueError(f"Cannot use {loss!r} as a loss.")
+    sparse = _CLASSIFIER_FNS.get(fn_name)
+    classifier = sparse is not None
+    return LossSpec(
+        name=fn_name,
+        per_example=per_example,
+        classifier=classifier,
+        from_logits=bool(kwargs.get("from_logits", False)),
+        sparse=bool(sparse),
+    )
+
+
+def require_classifier(spec, what):
+    if not spec.classifier:
+        raise ValueError(
+            f"{what} needs a probabilistic classifier: a categorical or sparse "
+            f"categorical cross-entropy on logits or softmax outputs. The loss "
+            f"here is {spec.name!r}, for which the Fisher information of the "
+            f"model's predictive distribution is not defined by keras_geosam."
+        )

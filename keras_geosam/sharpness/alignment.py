@@ -1,0 +1,120 @@
+"""Does minibatch gradient noise align with the Fisher? (spec section 3)
+
+The paper assumes ``Cov[grad L_B] = (eta/B) G``. Sampling without
+replacement gives ``Cov[g_B] = (1/B) (N-B)/(N-1) C`` with C the per-example
+gradient covariance, which is close to the *empirical* Fisher near a minimum
+and to the model Fisher only for a calibrated model. So the fitted factor
+``alpha`` in ``diag Cov[g_B] ~ alpha diag F`` is expected near 1/B;
+``eta/B`` is the scale of the *update* noise, shown beside it.
+"""
+
+import dataclasses
+
+import numpy as np
+import scipy.stats
+from keras import ops
+
+from keras_geosam.curvature import loss_and_gradient
+from keras_geosam.curvature.functional import num_examples
+from keras_geosam.curvature.functional import progbar
+from keras_geosam.sharpness import _common
+from keras_geosam.sharpness.fisher import fisher_diagonal
+
+
+@dataclasses.dataclass
+class Alignment:
+    """Result of :func:`gradient_noise_alignment`.
+
+    cosine: cosine between diag Cov[g_B] and diag F (inflated towards 1 for
+        any two non-negative vectors: read it with the next two).
+    rank_correlation: Spearman correlation of the two diagonals.
+    log_cosine: cosine between the centred log-diagonals (entries where both
+        are > 0).
+    alpha: least-squares factor in diag Cov[g_B] ~ alpha diag F.
+    alpha_per_example: the same against the per-example gradient variance
+        diag C; sampling theory predicts ``finite_population``.
+    inv_batch_size, lr_over_batch, finite_population: 1/B, eta/B (None
+        without a learning rate) and (1/B)(N-B)/(N-1).
+    """
+
+    cosine: float
+    rank_correlation: float
+    log_cosine: float
+    alpha: float
+    alpha_per_example: float
+    inv_batch_size: float
+    lr_over_batch: float
+    finite_population: float
+    batch_size: int
+    num_batches: int
+    num_examples: int
+    fisher: str
+    noise_variance: list = dataclasses.field(repr=False, default=None)
+    fisher_diagonal: list = dataclasses.field(repr=False, default=None)
+
+
+def _cos(a, b):
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-300))
+
+
+def gradient_noise_alignment(
+    model, x, y, batch_size, num_batches=64, fisher="exact", learning_rate=None,
+    num_samples=1, seed=0, eval_batch_size=_common.DEFAULT_BATCH_SIZE, loss=None, verbose=0,
+):
+    """Compares minibatch gradient noise with the Fisher diagonal.
+
+    Draws `num_batches` minibatches of `batch_size` examples without
+    replacement from ``(x, y)``, measures the variance of their gradients
+    around the full-data gradient, and compares it with the Fisher diagonal
+    of kind `fisher` on the same data. `learning_rate` defaults to the
+    compiled optimizer's (if any) for the ``eta/B`` column.
+    """
+    n = num_examples(x)
+    batch_size = _common.check_positive_int("batch_size", batch_size)
+    num_batches = _common.check_positive_int("num_batches", num_batches)
+    if batch_size >= n:
+        raise ValueError(f"batch_size ({batch_size}) must be smaller than the data ({n} examples).")
+    rng = np.random.default_rng(seed)
+    flat = lambda gs: np.concatenate([np.asarray(ops.convert_to_numpy(g), "float64").ravel() for g in gs])
+    _, g_full = loss_and_gradient(model, x, y, loss=loss, batch_size=eval_batch_size)
+    g_full = flat(g_full)
+    xn = np.asarray(ops.convert_to_numpy(x))
+    yn = np.asarray(ops.convert_to_numpy(y))
+    var = np.zeros_like(g_full)
+    bar = progbar(num_batches, verbose, "batch")
+    for _ in range(num_batches):
+        idx = np.sort(rng.choice(n, batch_size, replace=False))
+        _, gb = loss_and_gradient(model, xn[idx], yn[idx], loss=loss)
+        var += (flat(gb) - g_full) ** 2
+        if bar is not None:
+            bar.add(1)
+    var /= num_batches
+    F = np.concatenate([f.ravel() for f in fisher_diagonal(model, x, y, kind=fisher, num_samples=num_samples, seed=seed, batch_size=eval_batch_size, loss=loss)])
+    emp = np.concatenate([f.ravel() for f in fisher_diagonal(model, x, y, kind="empirical", batch_size=eval_batch_size, loss=loss)])
+    # Per-example variance of the data loss: regularisers shift every
+    # per-example gradient alike, so their mean is taken without them.
+    _, g_data = loss_and_gradient(model, x, y, loss=loss, batch_size=eval_batch_size, include_regularization=False)
+    C = np.clip(emp - flat(g_data) ** 2, 0, None)
+    both = (var > 0) & (F > 0)
+    lv, lf = np.log(var[both]), np.log(F[both])
+    if learning_rate is None and getattr(model, "optimizer", None) is not None:
+        try:
+            learning_rate = float(ops.convert_to_numpy(model.optimizer.learning_rate))
+        except Exception:  # schedules without a current value
+            learning_rate = None
+    return Alignment(
+        cosine=_cos(var, F),
+        rank_correlation=float(scipy.stats.spearmanr(var, F).statistic),
+        log_cosine=_cos(lv - lv.mean(), lf - lf.mean()) if both.sum() > 1 else float("nan"),
+        alpha=float(var @ F / (F @ F)),
+        alpha_per_example=float(var @ C / (C @ C + 1e-300)),
+        inv_batch_size=1.0 / batch_size,
+        lr_over_batch=None if learning_rate is None else learning_rate / batch_size,
+        finite_population=(n - batch_size) / (batch_size * (n - 1)),
+        batch_size=batch_size,
+        num_batches=num_batches,
+        num_examples=n,
+        fisher=fisher,
+        noise_variance=var,
+        fisher_diagonal=F,
+    )
