@@ -1,0 +1,5 @@
+import sys
+
+from keras_geosam.cli import main
+
+sys.exit(main())

@@ -1,0 +1,5 @@
+"""Keras callbacks that log sharpness during training."""
+
+from keras_geosam.callbacks.sharpness_logger import SharpnessLogger
+
+__all__ = ["SharpnessLogger"]

@@ -1,0 +1,179 @@
+"""TwoPassOptimizer: the shared core of every SAM-family optimizer.
+
+A two-pass optimizer wraps a base Keras optimizer the way
+``keras.optimizers.LossScaleOptimizer`` does: its own variables plus the base
+optimizer's, with ``learning_rate`` and ``iterations`` delegated, so learning
+rate schedules, momentum, weight decay, clipping, EMA and gradient
+accumulation all come from the base. It offers the two-pass train step
+(``keras_geosam.training``) three pure pieces, written in ``keras.ops``:
+
+- ``perturbation(centre_grads, values)`` -> eps (reads only its own state);
+- ``update_state(centre_grads, perturbed_grads)`` (e.g. F-SAM's average);
+- ``descent_gradients(centre_grads, perturbed_grads, values)`` -> what the
+  base optimizer receives (default: the perturbed gradient).
+
+Keras hands an optimizer gradients only, never the loss, so a two-pass
+optimizer cannot run inside a stock ``train_step``: its ``build`` refuses
+unless a keras_geosam step owns it (``kg.Model``, ``kg.Sequential`` or
+``kg.attach(model)``), so a plain model fails before any weight changes.
+"""
+
+import keras
+from keras import ops
+
+_ATTACH_HINT = (
+    "{name} is a two-pass optimizer: it needs the loss at perturbed weights, "
+    "which a stock Keras train_step never gives an optimizer. Use "
+    "kg.Model / kg.Sequential, or call `model = kg.attach(model)` on any "
+    "existing keras.Model (keras-cv/keras-hub ones included) before "
+    "compile() or fit()."
+)
+_BN_STATS = ("centre", "perturbed")
+_DROPOUT = ("fresh", "same")
+_BASE_ONLY_KWARGS = (
+    "weight_decay", "clipnorm", "global_clipnorm", "clipvalue", "use_ema",
+    "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor",
+    "gradient_accumulation_steps",
+)
+
+
+def global_norm(tensors):
+    return ops.sqrt(sum(ops.sum(ops.square(t)) for t in tensors))
+
+
+def dot(a, b):
+    return sum(ops.sum(x * y) for x, y in zip(a, b))
+
+
+class TwoPassOptimizer(keras.optimizers.Optimizer):
+    """Base class: wraps `base_optimizer`; subclasses define the perturbation.
+
+    Args:
+        base_optimizer: a ``keras.optimizers.Optimizer`` (or its config /
+            identifier) that applies the descent step.
+        bn_stats: which pass's BatchNorm moving statistics are kept,
+            ``"centre"`` or ``"perturbed"``; exactly one pass updates them.
+        dropout: ``"fresh"`` (default) draws a new dropout mask in the
+            perturbed pass; ``"same"`` reuses the centre pass's mask (JAX and
+            TF; torch draws dropout masks from its global RNG, so masks
+            always differ there).
+        name: optimizer name.
+    """
+
+    def __init__(self, base_optimizer, bn_stats="centre", dropout="fresh", name=None, **kwargs):
+        for key in _BASE_ONLY_KWARGS:
+            if kwargs.get(key) not in (None, False, 0.99) and key in kwargs:
+                raise ValueError(
+                    f"{type(self).__name__} does not take `{key}`: set it on "
+                    f"the base optimizer, which applies the descent step."
+                )
+            kwargs.pop(key, None)
+        if kwargs:
+            raise ValueError(f"{type(self).__name__} got unexpected arguments {sorted(kwargs)}.")
+        if isinstance(base_optimizer, (str, dict)):
+            base_optimizer = keras.optimizers.get(base_optimizer)
+        if not isinstance(base_optimizer, keras.optimizers.Optimizer):
+            raise ValueError(
+                f"base_optimizer must be a keras.optimizers.Optimizer, got {base_optimizer!r}."
+            )
+        if isinstance(base_optimizer, (TwoPassOptimizer, keras.optimizers.LossScaleOptimizer)):
+            raise ValueError(
+                "base_optimizer must be a plain optimizer (not a two-pass or "
+                "loss-scale optimizer); mixed precision wraps the outer one."
+            )
+        if bn_stats not in _BN_STATS:
+            raise ValueError(f"bn_stats must be one of {_BN_STATS}, got {bn_stats!r}.")
+        if dropout not in _DROPOUT:
+            raise ValueError(f"dropout must be one of {_DROPOUT}, got {dropout!r}.")
+        super().__init__(learning_rate=0.0, name=name)
+        self.base_optimizer = base_optimizer
+        self.bn_stats = bn_stats
+        self.dropout = dropout
+        self._owned_by_step = False
+
+    # ---------------------------------------------------------- hooks ----
+    def build_state(self, var_list):
+        """Creates the optimizer's own variables (none by default)."""
+
+    def perturbation(self, centre_grads, values):
+        raise NotImplementedError
+
+    def update_state(self, centre_grads, perturbed_grads):
+        """Updates own variables after both passes (nothing by default)."""
+
+    def descent_gradients(self, centre_grads, perturbed_grads, values):
+        return perturbed_grads
+
+    # ------------------------------------------------------- plumbing ----
+    @staticmethod
+    def check_hyperparameter(name, value, minimum=0.0, strict=False):
+        try:
+            v = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a number, got {value!r}.") from None
+        if v != v or v in (float("inf"), float("-inf")) or v < minimum or (strict and v == minimum):
+            relation = ">" if strict else ">="
+            raise ValueError(f"{name} must be finite and {relation} {minimum}, got {value!r}.")
+        return v
+
+    def own_variable(self, reference, name, initializer="zeros"):
+        return self.add_variable_from_reference(reference, name, initializer=initializer)
+
+    def build(self, var_list):
+        if not self._owned_by_step:
+            raise RuntimeError(_ATTACH_HINT.format(name=type(self).__name__))
+        self.base_optimizer.build(var_list)
+        super().build(var_list)
+        self.build_state(var_list)
+
+    @property
+    def variables(self):
+        return self._variables + self.base_optimizer.variables
+
+    @property
+    def learning_rate(self):
+        return self.base_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        # Keras' own __init__ sets a placeholder before base_optimizer exists.
+        if "base_optimizer" in self.__dict__:
+            self.base_optimizer.learning_rate = value
+        else:
+            super(TwoPassOptimizer, type(self)).learning_rate.fset(self, value)
+
+    @property
+    def iterations(self):
+        return self.base_optimizer.iterations
+
+    def apply(self, grads, trainable_variables=None):
+        raise RuntimeError(_ATTACH_HINT.format(name=type(self).__name__))
+
+    def stateless_apply(self, optimizer_variables, grads, trainable_variables):
+        raise RuntimeError(_ATTACH_HINT.format(name=type(self).__name__))
+
+    def apply_two_pass(self, centre_grads, perturbed_grads, trainable_variables):
+        """Stateful update (TF, torch): own state, then the base optimizer."""
+        values = [v.value for v in trainable_variables]
+        self.update_state(centre_grads, perturbed_grads)
+        descent = self.descent_gradients(centre_grads, perturbed_grads, values)
+        self.base_optimizer.apply(descent, trainable_variables)
+
+    def finalize_variable_values(self, var_list):
+        self.base_optimizer.finalize_variable_values(var_list)
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "base_optimizer": keras.saving.serialize_keras_object(self.base_optimizer),
+            "bn_stats": self.bn_stats,
+            "dropout": self.dropout,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        config["base_optimizer"] = keras.saving.deserialize_keras_object(
+            config["base_optimizer"], custom_objects=custom_objects
+        )
+        return cls(**config)

@@ -1,0 +1,55 @@
+"""SAM and ASAM (Foret et al. 2021; Kwon et al. 2021)."""
+
+import keras
+from keras import ops
+
+from keras_geosam.optimizers.base import TwoPassOptimizer
+
+
+@keras.saving.register_keras_serializable(package="keras_geosam")
+class SAM(TwoPassOptimizer):
+    """Sharpness-Aware Minimisation, and ASAM with ``adaptive=True``.
+
+    Per step, on one batch:
+
+        g_c   = grad L(theta)
+        T     = 1                                    (SAM)
+        T     = |theta| + eta  on kernels, 1 on vectors   (ASAM)
+        eps   = rho * T^2 g_c / sqrt(||T g_c||^2 + 1e-12)
+        g_p   = grad L(theta + eps)
+        theta <- base_optimizer(theta, g_p)          (applied at theta)
+
+    Args:
+        base_optimizer: the optimizer applying the descent step.
+        rho: radius of the perturbation (>= 0; 0 gives the base optimizer).
+        adaptive: ASAM's element-wise scaling.
+        eta: ASAM's offset (>= 0).
+        bn_stats, dropout, name: see ``TwoPassOptimizer``.
+    """
+
+    def __init__(self, base_optimizer, rho=0.05, adaptive=False, eta=0.01, bn_stats="centre", dropout="fresh", name=None, **kwargs):
+        super().__init__(base_optimizer, bn_stats=bn_stats, dropout=dropout, name=name or ("ASAM" if adaptive else "SAM"), **kwargs)
+        self.rho = self.check_hyperparameter("rho", rho)
+        self.adaptive = bool(adaptive)
+        self.eta = self.check_hyperparameter("eta", eta)
+
+    def _scale(self, values):
+        if not self.adaptive:
+            return [None] * len(values)
+        return [ops.abs(v) + self.eta if len(v.shape) > 1 else None for v in values]
+
+    def perturbation(self, centre_grads, values):
+        T = self._scale(values)
+        tg = [g if t is None else t * g for g, t in zip(centre_grads, T)]
+        norm = ops.sqrt(sum(ops.sum(ops.square(x)) for x in tg) + 1e-12)
+        return [
+            (self.rho / norm) * (x if t is None else t * x) for x, t in zip(tg, T)
+        ]
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(rho=self.rho, adaptive=self.adaptive, eta=self.eta)
+        return config
+
+
+__all__ = ["SAM"]

@@ -1,0 +1,92 @@
+"""Attaching the two-pass step: kg.Model, kg.Sequential, kg.attach.
+
+Keras optimizers only ever see gradients, so SAM-family training needs a
+model-level ``train_step`` (see ``step.py``). It is active only when the
+compiled optimizer is a two-pass one; with any other optimizer these models
+train exactly like their Keras parents.
+"""
+
+import types
+
+import keras
+
+from keras_geosam.training import step as _step
+
+__all__ = ["Model", "Sequential", "attach"]
+
+
+def _prepare(model):
+    """Marks a compiled two-pass optimizer as owned by this step, creates the
+    SAM statistics trackers and builds the optimizer before any tracing."""
+    opt, _ = _step.unwrap(getattr(model, "optimizer", None))
+    if opt is None:
+        return
+    opt._owned_by_step = True
+    for name in _step.SAM_METRICS:
+        if getattr(model, "_geosam_" + name, None) is None:
+            setattr(model, "_geosam_" + name, keras.metrics.Mean(name=name))
+    if getattr(model, "_geosam_skipped_steps", None) is None:
+        model._geosam_skipped_steps = keras.metrics.Sum(name="skipped_steps")
+    if model.built and not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
+
+
+class TwoPassStepMixin:
+    """Gives a keras.Model the exact two-pass train step."""
+
+    def compile(self, *args, **kwargs):
+        super().compile(*args, **kwargs)
+        _prepare(self)
+
+    def make_train_function(self, force=False):
+        _prepare(self)
+        return super().make_train_function(force=force)
+
+    def train_step(self, *args):
+        if _step.unwrap(self.optimizer)[0] is None:
+            return super().train_step(*args)
+        return _step.train_step(self, *args)
+
+
+@keras.saving.register_keras_serializable(package="keras_geosam")
+class Model(TwoPassStepMixin, keras.Model):
+    """``keras.Model`` with the two-pass step: ``kg.Model(inputs, outputs)``
+    or ``class Net(kg.Model)``."""
+
+
+@keras.saving.register_keras_serializable(package="keras_geosam")
+class Sequential(TwoPassStepMixin, keras.Sequential):
+    """``keras.Sequential`` with the two-pass step."""
+
+
+def attach(model):
+    """Gives an existing ``keras.Model`` (functional, subclassed, keras-cv or
+    keras-hub) the two-pass step, in place; returns the model.
+
+    Works before or after ``compile``. The instance's ``train_step`` and
+    ``compile`` are overridden; the class is untouched, so a saved and
+    reloaded model needs ``kg.attach`` again (or build it from ``kg.Model``).
+    """
+    if isinstance(model, TwoPassStepMixin) or getattr(model, "_geosam_attached", False):
+        return model
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"kg.attach needs a keras.Model, got {type(model).__name__}.")
+    stock_step = type(model).train_step
+    stock_compile = model.compile
+
+    def train_step(self, *args):
+        if _step.unwrap(self.optimizer)[0] is None:
+            return stock_step(self, *args)
+        return _step.train_step(self, *args)
+
+    def compile(*args, **kwargs):
+        stock_compile(*args, **kwargs)
+        _prepare(model)
+
+    object.__setattr__(model, "train_step", types.MethodType(train_step, model))
+    object.__setattr__(model, "compile", compile)
+    object.__setattr__(model, "_geosam_attached", True)
+    model.train_function = None
+    if model.compiled:
+        _prepare(model)
+    return model

@@ -1,0 +1,207 @@
+"""The exact two-pass train step: one backend-neutral core, two thin wrappers.
+
+Both gradients are taken on the same batch; the perturbed weights exist only
+as values passed to ``stateless_call`` (nothing is perturbed in place and
+restored), and the update is applied at the unperturbed weights:
+
+    g_c = grad L_B(theta)              centre pass
+    eps = optimizer.perturbation(g_c)
+    g_p = grad L_B(theta + eps)        perturbed pass, same batch
+    theta <- base_optimizer(theta, optimizer.descent_gradients(g_c, g_p))
+
+Non-trainable state: float variables (BatchNorm statistics) are taken from
+exactly one pass (``optimizer.bn_stats``), both passes starting from the same
+values; integer variables (dropout seed state) advance through both passes,
+so the perturbed pass draws a fresh mask (``optimizer.dropout="fresh"``).
+
+Non-finite values: if the loss or either gradient holds NaN/Inf the whole
+step is skipped: weights, optimizer state and BatchNorm statistics stay as
+they were, the ``skipped_steps`` metric counts it, and under mixed_float16
+the loss scale is halved. Nothing non-finite reaches the weights.
+
+The JAX trainer passes state explicitly (``train_step(state, data)``);
+TensorFlow and torch mutate variables (``train_step(data)``).
+"""
+
+import keras
+from keras import ops
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from keras_geosam import backend
+from keras_geosam.optimizers.base import TwoPassOptimizer
+
+SAM_METRICS = ("sharpness_gap", "grad_norm", "grad_cosine")
+
+
+def unwrap(optimizer):
+    """``(two_pass_optimizer or None, loss_scale_optimizer or None)``."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        inner = optimizer.inner_optimizer
+        return (inner if isinstance(inner, TwoPassOptimizer) else None), optimizer
+    return (optimizer if isinstance(optimizer, TwoPassOptimizer) else None), None
+
+
+def _all_finite(tensors):
+    return ops.all(ops.stack([ops.all(ops.isfinite(t)) for t in tensors]))
+
+
+def _forward(model, tv, ntv, mv, x, y, sw, scale):
+    """Loss at trainable values `tv` (training mode), Keras' own loss code."""
+    kwargs = {"training": True} if model._call_has_training_arg else {}
+    y_pred, ntv_new, losses = model.stateless_call(tv, ntv, x, return_losses=True, **kwargs)
+    if losses:
+        model._losses_override = losses
+    loss, (_, _, mv_new) = model.stateless_compute_loss(
+        tv, ntv_new, mv, x=x, y=y, y_pred=y_pred, sample_weight=sw, training=True
+    )
+    if losses:
+        model._losses_override = []
+    scaled = loss if scale is None else loss * ops.cast(scale, loss.dtype)
+    return scaled, (loss, y_pred, ntv_new, mv_new)
+
+
+def two_pass(model, optimizer, tv, ntv, mv, x, y, sw, scale=None):
+    """Both passes on one batch. Pure: returns a dict of values."""
+    ((_, (loss_c, y_pred, ntv_c, mv_c)), g_c) = backend.value_and_grad(
+        lambda p, *a: _forward(model, p, *a), list(tv), ntv, mv, x, y, sw, scale, has_aux=True
+    )
+    if scale is not None:
+        g_c = [g / ops.cast(scale, g.dtype) for g in g_c]
+    eps = optimizer.perturbation(g_c, list(tv))
+    tv_p = [t + ops.cast(e, t.dtype) for t, e in zip(tv, eps)]
+    # Floats restart from the step's values (one pass updates BN statistics);
+    # integer RNG state continues from the centre pass unless dropout="same".
+    fresh = optimizer.dropout == "fresh"
+    ntv_in = [c if (fresh and not _is_float(v)) else v for v, c in zip(ntv, ntv_c)]
+    ((_, (loss_p, _, ntv_p, _)), g_p) = backend.value_and_grad(
+        lambda p, *a: _forward(model, p, *a), tv_p, ntv_in, mv, x, y, sw, scale, has_aux=True
+    )
+    if scale is not None:
+        g_p = [g / ops.cast(scale, g.dtype) for g in g_p]
+    keep = ntv_c if optimizer.bn_stats == "centre" else ntv_p
+    new_ntv = [k if _is_float(v) else p for v, k, p in zip(ntv, keep, ntv_p)]
+    finite = _all_finite([loss_c, loss_p] + list(g_c) + list(g_p))
+    return {
+        "loss_c": loss_c, "loss_p": loss_p, "g_c": g_c, "g_p": g_p,
+        "y_pred": y_pred, "ntv": new_ntv, "mv": mv_c, "finite": finite,
+    }
+
+
+def _is_float(value):
+    return "float" in str(keras.backend.standardize_dtype(value.dtype))
+
+
+def _sam_statistics(r):
+    gc, gp = r["g_c"], r["g_p"]
+    nc = ops.sqrt(sum(ops.sum(ops.square(g)) for g in gc))
+    np_ = ops.sqrt(sum(ops.sum(ops.square(g)) for g in gp))
+    cos = sum(ops.sum(a * b) for a, b in zip(gc, gp)) / (nc * np_ + 1e-30)
+    return {"sharpness_gap": r["loss_p"] - r["loss_c"], "grad_norm": nc, "grad_cosine": cos}
+
+
+def update_metrics(model, mv, r, x, y, sw):
+    """Loss tracker, compiled metrics and SAM statistics, statelessly."""
+    mapping = list(zip(model.metrics_variables, mv))
+    with keras.StatelessScope(state_mapping=mapping) as scope:
+        n = ops.shape(next(t for t in keras.tree.flatten(x) if t is not None))[0]
+        model._loss_tracker.update_state(
+            keras.src.losses.loss.unscale_loss_for_distribution(r["loss_c"]), sample_weight=n
+        )
+        stats = _sam_statistics(r)
+        finite = r["finite"]
+        for name in SAM_METRICS:
+            tracker = getattr(model, "_geosam_" + name, None)
+            if tracker is not None:
+                # A skipped step contributes nothing to the epoch averages.
+                tracker.update_state(ops.where(finite, stats[name], 0.0), sample_weight=ops.cast(finite, "float32"))
+        skipped = getattr(model, "_geosam_skipped_steps", None)
+        if skipped is not None:
+            skipped.update_state(1.0 - ops.cast(finite, "float32"))
+        logs = model.compute_metrics(x, y, r["y_pred"], sw)
+    new_mv = []
+    for v in model.metrics_variables:
+        value = scope.get_current_value(v)
+        new_mv.append(v.value if value is None else value)
+    return logs, new_mv
+
+
+def _scale_of(lso):
+    return None if lso is None else lso.dynamic_scale
+
+
+def stateful_train_step(model, data):
+    """TensorFlow / torch: compute both passes, then assign and apply."""
+    x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
+    opt, lso = unwrap(model.optimizer)
+    tv = [v.value for v in model.trainable_variables]
+    ntv = [v.value for v in model.non_trainable_variables]
+    mv = [v.value for v in model.metrics_variables]
+    r = two_pass(model, opt, tv, ntv, mv, x, y, sw, _scale_of(lso))
+
+    def apply():
+        for v, value in zip(model.non_trainable_variables, r["ntv"]):
+            v.assign(value)
+        opt.apply_two_pass(r["g_c"], r["g_p"], model.trainable_variables)
+        if lso is not None:
+            _loss_scale_grow(lso)
+
+    def skip():
+        if lso is not None:
+            lso._stateful_handle_non_finite_grads()
+
+    ops.cond(r["finite"], apply, skip)
+    logs, new_mv = update_metrics(model, r["mv"], r, x, y, sw)
+    for v, value in zip(model.metrics_variables, new_mv):
+        v.assign(value)
+    return logs
+
+
+def _loss_scale_grow(lso):
+    def upscale():
+        lso.step_counter.assign(0)
+        lso.dynamic_scale.assign(lso.dynamic_scale * 2.0)
+
+    def increment():
+        lso.step_counter.assign_add(1)
+
+    ops.cond(ops.equal(lso.step_counter, lso.dynamic_growth_steps - 1), upscale, increment)
+
+
+def stateless_train_step(model, state, data):
+    """JAX: the same core on explicit state, returning new state."""
+    tv, ntv, opt_vars, mv = state
+    x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
+    outer = model.optimizer
+    opt, lso = unwrap(outer)
+    opt_mapping = list(zip(outer.variables, opt_vars))
+    with keras.StatelessScope(state_mapping=opt_mapping):
+        scale = None if lso is None else ops.convert_to_tensor(lso.dynamic_scale)
+        r = two_pass(model, opt, tv, ntv, mv, x, y, sw, scale)
+
+    def apply():
+        mapping = opt_mapping + list(zip(opt._trainable_variables, tv))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            opt.apply_two_pass(r["g_c"], r["g_p"], opt._trainable_variables)
+            if lso is not None:
+                _loss_scale_grow(lso)
+        return (
+            [scope.get_current_value(v) for v in opt._trainable_variables],
+            [scope.get_current_value(v) for v in outer.variables],
+        )
+
+    def skip():
+        with keras.StatelessScope(state_mapping=opt_mapping) as scope:
+            if lso is not None:
+                lso._stateful_handle_non_finite_grads()
+        return list(tv), [scope.get_current_value(v) for v in outer.variables]
+
+    new_tv, new_opt_vars = ops.cond(r["finite"], apply, skip)
+    new_ntv = [ops.where(r["finite"], n, o) for n, o in zip(r["ntv"], ntv)]
+    logs, new_mv = update_metrics(model, r["mv"], r, x, y, sw)
+    return logs, (new_tv, new_ntv, new_opt_vars, new_mv)
+
+
+def train_step(model, *args):
+    if backend.name == "jax":
+        return stateless_train_step(model, *args)
+    return stateful_train_step(model, *args)
