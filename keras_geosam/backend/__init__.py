@@ -14,6 +14,10 @@ a list of backend tensors:
 - ``per_example_grads(f, params, *batch)`` -> gradients of ``f(params, *example)``
   for every example along axis 0 of ``batch`` (vectorised, no Python loop)
 - ``compile(fn)`` -> a compiled version of a pure function (or ``fn`` itself)
+- ``replica_count()`` / ``all_reduce_sum(tensors)``: tf.distribute replicas
+  (a step's gradients are per-replica there); 1 / identity elsewhere
+- ``cond_apply(pred, apply_fn, skip_fn, args)``: a conditional optimizer
+  update that is legal under tf.distribute
 """
 
 import keras
@@ -38,6 +42,9 @@ vjp = _impl.vjp
 hvp = _impl.hvp
 per_example_grads = _impl.per_example_grads
 compile = _impl.compile
+replica_count = _impl.replica_count
+all_reduce_sum = _impl.all_reduce_sum
+cond_apply = _impl.cond_apply
 
 __all__ = [
     "name",
@@ -47,4 +54,7 @@ __all__ = [
     "hvp",
     "per_example_grads",
     "compile",
+    "replica_count",
+    "all_reduce_sum",
+    "cond_apply",
 ]

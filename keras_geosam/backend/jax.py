@@ -32,3 +32,19 @@ def per_example_grads(f, params, *batch):
 
 def compile(fn):
     return jax.jit(fn)
+
+
+def replica_count():
+    """Per-replica gradients do not exist here: gradients are global."""
+    return 1
+
+
+def all_reduce_sum(tensors):
+    return list(tensors)
+
+
+def cond_apply(pred, apply_fn, skip_fn, args):
+    """Runs ``apply_fn(*args)`` if `pred` else ``skip_fn()``."""
+    from keras import ops
+
+    ops.cond(pred, lambda: apply_fn(*args), skip_fn)

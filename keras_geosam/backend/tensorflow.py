@@ -49,3 +49,54 @@ def per_example_grads(f, params, *batch):
 
 def compile(fn):
     return tf.function(fn, reduce_retracing=True)
+
+
+def replica_count():
+    """Replicas in sync under tf.distribute (1 without a strategy)."""
+    ctx = tf.distribute.get_replica_context()
+    return 1 if ctx is None else int(ctx.num_replicas_in_sync)
+
+
+def all_reduce_sum(tensors):
+    """Sums per-replica tensors across replicas (identity with one replica)."""
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1:
+        return list(tensors)
+    return ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(tensors))
+
+
+def cond_apply(pred, apply_fn, skip_fn, args):
+    """Runs ``apply_fn(*args)`` if `pred` else ``skip_fn()``, where apply_fn
+    may contain a synchronisation point (an optimizer's apply).
+
+    tf.distribute forbids control flow around a merge_call in replica
+    context, so under a strategy the branch is taken in cross-replica
+    context on a flag reduced over all replicas (a step is skipped
+    everywhere or nowhere), as Keras' LossScaleOptimizer does.
+    """
+    ctx = tf.distribute.get_replica_context()
+    if ctx is None or tf.__internal__.distribute.strategy_supports_no_merge_call():
+        return tf.cond(pred, lambda: _none(apply_fn(*args)), lambda: _none(skip_fn()))
+    bad = tf.cast(tf.logical_not(pred), tf.float32)
+
+    def cross_replica(distribution, bad, args):
+        # Reduced here, in cross-replica context: a replica-context
+        # all-reduce next to the optimizer's own would race for the
+        # collective's instance key.
+        flag = tf.equal(distribution.reduce(tf.distribute.ReduceOp.SUM, bad, axis=None), 0.0)
+
+        def run():
+            distribution.extended.call_for_each_replica(apply_fn, args=args)
+            return tf.constant(True)
+
+        def skip():
+            skip_fn()
+            return tf.constant(False)
+
+        tf.cond(flag, run, skip)
+
+    ctx.merge_call(cross_replica, args=(bad, args))
+
+
+def _none(_):
+    return tf.constant(0)

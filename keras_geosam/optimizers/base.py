@@ -30,6 +30,7 @@ _ATTACH_HINT = (
 )
 _BN_STATS = ("centre", "perturbed")
 _DROPOUT = ("fresh", "same")
+_PERTURBATION = ("global", "per_replica")
 _BASE_ONLY_KWARGS = (
     "weight_decay", "clipnorm", "global_clipnorm", "clipvalue", "use_ema",
     "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor",
@@ -57,10 +58,16 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
             perturbed pass; ``"same"`` reuses the centre pass's mask (JAX and
             TF; torch draws dropout masks from its global RNG, so masks
             always differ there).
+        perturbation: under ``tf.distribute`` each replica sees its own
+            gradient: ``"global"`` (default) all-reduces the centre gradient
+            so every replica uses one perturbation; ``"per_replica"`` perturbs
+            with each replica's own gradient ("m-sharpness", m = the
+            per-replica batch). Under JAX ``keras.distribution`` gradients
+            are already global, so only ``"global"`` is possible there.
         name: optimizer name.
     """
 
-    def __init__(self, base_optimizer, bn_stats="centre", dropout="fresh", name=None, **kwargs):
+    def __init__(self, base_optimizer, bn_stats="centre", dropout="fresh", perturbation="global", name=None, **kwargs):
         for key in _BASE_ONLY_KWARGS:
             if kwargs.get(key) not in (None, False, 0.99) and key in kwargs:
                 raise ValueError(
@@ -85,10 +92,13 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
             raise ValueError(f"bn_stats must be one of {_BN_STATS}, got {bn_stats!r}.")
         if dropout not in _DROPOUT:
             raise ValueError(f"dropout must be one of {_DROPOUT}, got {dropout!r}.")
+        if perturbation not in _PERTURBATION:
+            raise ValueError(f"perturbation must be one of {_PERTURBATION}, got {perturbation!r}.")
         super().__init__(learning_rate=0.0, name=name)
         self.base_optimizer = base_optimizer
         self.bn_stats = bn_stats
         self.dropout = dropout
+        self.perturbation_mode = perturbation
         self._owned_by_step = False
 
     # ---------------------------------------------------------- hooks ----
@@ -168,6 +178,7 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
             "base_optimizer": keras.saving.serialize_keras_object(self.base_optimizer),
             "bn_stats": self.bn_stats,
             "dropout": self.dropout,
+            "perturbation": self.perturbation_mode,
         }
 
     @classmethod

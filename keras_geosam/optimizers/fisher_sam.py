@@ -18,8 +18,8 @@ class FisherSAM(TwoPassOptimizer):
     Args: `rho` (>= 0), `eta` (> 0).
     """
 
-    def __init__(self, base_optimizer, rho=0.05, eta=0.1, bn_stats="centre", dropout="fresh", name="FisherSAM", **kwargs):
-        super().__init__(base_optimizer, bn_stats=bn_stats, dropout=dropout, name=name, **kwargs)
+    def __init__(self, base_optimizer, rho=0.05, eta=0.1, bn_stats="centre", dropout="fresh", perturbation="global", name="FisherSAM", **kwargs):
+        super().__init__(base_optimizer, bn_stats=bn_stats, dropout=dropout, perturbation=perturbation, name=name, **kwargs)
         self.rho = self.check_hyperparameter("rho", rho)
         self.eta = self.check_hyperparameter("eta", eta, strict=True)
 

@@ -20,8 +20,8 @@ class FSAM(TwoPassOptimizer):
     (EMA factor in [0, 1); 0.9 by default, 0.6 in the ImageNet reference).
     """
 
-    def __init__(self, base_optimizer, rho=0.05, sigma=1.0, momentum=0.9, bn_stats="centre", dropout="fresh", name="FSAM", **kwargs):
-        super().__init__(base_optimizer, bn_stats=bn_stats, dropout=dropout, name=name, **kwargs)
+    def __init__(self, base_optimizer, rho=0.05, sigma=1.0, momentum=0.9, bn_stats="centre", dropout="fresh", perturbation="global", name="FSAM", **kwargs):
+        super().__init__(base_optimizer, bn_stats=bn_stats, dropout=dropout, perturbation=perturbation, name=name, **kwargs)
         self.rho = self.check_hyperparameter("rho", rho)
         self.sigma = self.check_hyperparameter("sigma", sigma)
         self.momentum = self.check_hyperparameter("momentum", momentum)

@@ -27,8 +27,8 @@ class SAM(TwoPassOptimizer):
         bn_stats, dropout, name: see ``TwoPassOptimizer``.
     """
 
-    def __init__(self, base_optimizer, rho=0.05, adaptive=False, eta=0.01, bn_stats="centre", dropout="fresh", name=None, **kwargs):
-        super().__init__(base_optimizer, bn_stats=bn_stats, dropout=dropout, name=name or ("ASAM" if adaptive else "SAM"), **kwargs)
+    def __init__(self, base_optimizer, rho=0.05, adaptive=False, eta=0.01, bn_stats="centre", dropout="fresh", perturbation="global", name=None, **kwargs):
+        super().__init__(base_optimizer, bn_stats=bn_stats, dropout=dropout, perturbation=perturbation, name=name or ("ASAM" if adaptive else "SAM"), **kwargs)
         self.rho = self.check_hyperparameter("rho", rho)
         self.adaptive = bool(adaptive)
         self.eta = self.check_hyperparameter("eta", eta)

@@ -83,6 +83,7 @@ def riemannian_sharpness(
     seed=0,
     batch_size=_common.DEFAULT_BATCH_SIZE,
     max_params=4000,
+    rcond=None,
     loss=None,
     verbose=0,
 ):
@@ -103,6 +104,9 @@ def riemannian_sharpness(
         num_samples: labels per example for ``fisher="mc"``.
         seed: seeds label draws and probes (NumPy; same on every backend).
         max_params: refuse ``metric="exact"`` above this many parameters.
+        rcond: ``metric="exact"`` pseudo-inverse cutoff relative to the
+            largest Fisher eigenvalue (default: ten machine epsilons of the
+            model's dtype, at least dim * float64 epsilon).
 
     Returns:
         An :class:`Estimate` with ``info`` describing the metric, damping and
@@ -117,7 +121,7 @@ def riemannian_sharpness(
     fns = model_functions(model, loss, training=False)
     require_classifier(fns.spec, "riemannian_sharpness")
     if metric == "exact":
-        return _exact(model, fns, x, y, fisher, damping or 0.0, num_samples, seed, batch_size, max_params, loss)
+        return _exact(model, fns, x, y, fisher, damping or 0.0, num_samples, seed, batch_size, max_params, loss, rcond)
 
     variables = fns.variables
     paths = fns.paths
@@ -229,7 +233,7 @@ def dense_fisher(model, x, y=None, kind="exact", num_samples=1, seed=0, batch_si
     return G / n
 
 
-def _exact(model, fns, x, y, fisher, damping, num_samples, seed, batch_size, max_params, loss):
+def _exact(model, fns, x, y, fisher, damping, num_samples, seed, batch_size, max_params, loss, rcond):
     shapes = [tuple(v.shape) for v in fns.variables]
     dim = sum(int(np.prod(s)) for s in shapes)
     if dim > max_params:
@@ -245,7 +249,8 @@ def _exact(model, fns, x, y, fisher, damping, num_samples, seed, batch_size, max
     shifted = evals + lam
     # Relative cutoff at the precision the gradients were computed in: below
     # it an eigenvalue of G is rounding noise, and inverting it is meaningless.
-    rcond = dim * float(np.finfo(fns.variables[0].dtype).eps)
+    if rcond is None:
+        rcond = max(dim * float(np.finfo("float64").eps), 10 * float(np.finfo(fns.variables[0].dtype).eps))
     tol = max(shifted.max(), 0.0) * rcond
     keep = shifted > tol
     inv = np.where(keep, 1.0 / np.where(keep, shifted, 1.0), 0.0)

@@ -21,6 +21,13 @@ def _prepare(model):
     opt, _ = _step.unwrap(getattr(model, "optimizer", None))
     if opt is None:
         return
+    if opt.perturbation_mode == "per_replica" and keras.backend.backend() == "jax":
+        if keras.distribution.distribution() is not None:
+            raise ValueError(
+                'perturbation="per_replica" is not available on JAX: under '
+                "keras.distribution the gradient of the sharded batch is "
+                'already global. Use perturbation="global".'
+            )
     opt._owned_by_step = True
     for name in _step.SAM_METRICS:
         if getattr(model, "_geosam_" + name, None) is None:

@@ -67,6 +67,15 @@ def two_pass(model, optimizer, tv, ntv, mv, x, y, sw, scale=None):
     )
     if scale is not None:
         g_c = [g / ops.cast(scale, g.dtype) for g in g_c]
+    # Under tf.distribute, Keras scales each replica's loss by 1/replicas:
+    # the sum over replicas is the global mean gradient, and replicas times
+    # the local one is the replica's own mean gradient.
+    replicas = backend.replica_count()
+    if replicas > 1:
+        if optimizer.perturbation_mode == "global":
+            g_c = backend.all_reduce_sum(g_c)
+        else:
+            g_c = [g * float(replicas) for g in g_c]
     eps = optimizer.perturbation(g_c, list(tv))
     tv_p = [t + ops.cast(e, t.dtype) for t, e in zip(tv, eps)]
     # Floats restart from the step's values (one pass updates BN statistics);
@@ -138,10 +147,10 @@ def stateful_train_step(model, data):
     mv = [v.value for v in model.metrics_variables]
     r = two_pass(model, opt, tv, ntv, mv, x, y, sw, _scale_of(lso))
 
-    def apply():
-        for v, value in zip(model.non_trainable_variables, r["ntv"]):
+    def apply(g_c, g_p, new_ntv):
+        for v, value in zip(model.non_trainable_variables, new_ntv):
             v.assign(value)
-        opt.apply_two_pass(r["g_c"], r["g_p"], model.trainable_variables)
+        opt.apply_two_pass(g_c, g_p, model.trainable_variables)
         if lso is not None:
             _loss_scale_grow(lso)
 
@@ -149,7 +158,7 @@ def stateful_train_step(model, data):
         if lso is not None:
             lso._stateful_handle_non_finite_grads()
 
-    ops.cond(r["finite"], apply, skip)
+    backend.cond_apply(r["finite"], apply, skip, (r["g_c"], r["g_p"], r["ntv"]))
     logs, new_mv = update_metrics(model, r["mv"], r, x, y, sw)
     for v, value in zip(model.metrics_variables, new_mv):
         v.assign(value)
