@@ -3,6 +3,8 @@
 from keras_geosam.optimizers.base import TwoPassOptimizer
 from keras_geosam.optimizers.fisher_sam import FisherSAM
 from keras_geosam.optimizers.fsam import FSAM
+from keras_geosam.optimizers.llqr import LLQR
+from keras_geosam.optimizers.llqr_sam import LLQRSAM
 from keras_geosam.optimizers.sam import SAM
 
-__all__ = ["FSAM", "FisherSAM", "SAM", "TwoPassOptimizer"]
+__all__ = ["FSAM", "FisherSAM", "LLQR", "LLQRSAM", "SAM", "TwoPassOptimizer"]

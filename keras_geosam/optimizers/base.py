@@ -101,7 +101,15 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
         self.perturbation_mode = perturbation
         self._owned_by_step = False
 
+    # Gradients per step: 2 for the SAM family; LLQR alone needs only the
+    # centre gradient but still the model (to refresh U), hence this step.
+    num_passes = 2
+
     # ---------------------------------------------------------- hooks ----
+    def prepare_step(self, model, values, non_trainable, x, y):
+        """Runs before the centre pass at the unperturbed weights, with the
+        step's batch (LLQR refreshes U here). Nothing by default."""
+
     def build_state(self, var_list):
         """Creates the optimizer's own variables (none by default)."""
 

@@ -98,7 +98,10 @@ def riemannian_sharpness(
         damping: relative damping. Diagonal: ``D + damping * mean(D_nonzero)``
             (default 0: parameters with zero Fisher are excluded and counted);
             kfac: each factor gets ``damping * mean eigenvalue`` (default
-            1e-3); exact: ``G + damping * mean eig(G) I`` (default 0: the
+            1e-3), while variables without a K-FAC block (biases, other
+            layers) keep the undamped diagonal block with zero-Fisher
+            coordinates excluded (``info["diagonal_fallback_damping"]``);
+            exact: ``G + damping * mean eig(G) I`` (default 0: the
             pseudo-inverse). The absolute value used is reported in `info`.
         num_probes: Rademacher probes (diagonal and kfac).
         num_samples: labels per example for ``fisher="mc"``.
@@ -163,6 +166,9 @@ def riemannian_sharpness(
             kfac_damping_abs={p: {"A": a, "S": s} for p, (a, s) in used.items()},
             kfac_layers=list(used),
             diagonal_fallback=[p for p in paths if p not in used],
+            # Variables without a K-FAC block (biases, other layers) get the
+            # undamped diagonal block, zero-Fisher coordinates excluded.
+            diagonal_fallback_damping=0.0,
         )
         excluded = int(sum((inv_sqrt[j] == 0).sum() for j, p in enumerate(paths) if p not in used))
     else:

@@ -29,7 +29,7 @@ def _prepare(model):
                 'already global. Use perturbation="global".'
             )
     opt._owned_by_step = True
-    for name in _step.SAM_METRICS:
+    for name in _step.SAM_METRICS if opt.num_passes == 2 else ():
         if getattr(model, "_geosam_" + name, None) is None:
             setattr(model, "_geosam_" + name, keras.metrics.Mean(name=name))
     if getattr(model, "_geosam_skipped_steps", None) is None:

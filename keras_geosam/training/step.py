@@ -76,6 +76,12 @@ def two_pass(model, optimizer, tv, ntv, mv, x, y, sw, scale=None):
             g_c = backend.all_reduce_sum(g_c)
         else:
             g_c = [g * float(replicas) for g in g_c]
+    if optimizer.num_passes == 1:
+        finite = _all_finite([loss_c] + list(g_c))
+        return {
+            "loss_c": loss_c, "loss_p": loss_c, "g_c": g_c, "g_p": g_c,
+            "y_pred": y_pred, "ntv": ntv_c, "mv": mv_c, "finite": finite,
+        }
     eps = optimizer.perturbation(g_c, list(tv))
     tv_p = [t + ops.cast(e, t.dtype) for t, e in zip(tv, eps)]
     # Floats restart from the step's values (one pass updates BN statistics);
@@ -145,6 +151,7 @@ def stateful_train_step(model, data):
     tv = [v.value for v in model.trainable_variables]
     ntv = [v.value for v in model.non_trainable_variables]
     mv = [v.value for v in model.metrics_variables]
+    opt.prepare_step(model, tv, ntv, x, y)
     r = two_pass(model, opt, tv, ntv, mv, x, y, sw, _scale_of(lso))
 
     def apply(g_c, g_p, new_ntv):
@@ -182,10 +189,13 @@ def stateless_train_step(model, state, data):
     x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
     outer = model.optimizer
     opt, lso = unwrap(outer)
-    opt_mapping = list(zip(outer.variables, opt_vars))
-    with keras.StatelessScope(state_mapping=opt_mapping):
+    with keras.StatelessScope(state_mapping=list(zip(outer.variables, opt_vars))) as scope:
+        opt.prepare_step(model, tv, ntv, x, y)
         scale = None if lso is None else ops.convert_to_tensor(lso.dynamic_scale)
         r = two_pass(model, opt, tv, ntv, mv, x, y, sw, scale)
+    # prepare_step may have written optimizer state (a refreshed U).
+    opt_vars = [scope.get_current_value(v) for v in outer.variables]
+    opt_mapping = list(zip(outer.variables, opt_vars))
 
     def apply():
         mapping = opt_mapping + list(zip(opt._trainable_variables, tv))

@@ -1,0 +1,63 @@
+"""PreconditionerRefresh: refresh LLQR's U from a dataset you pass."""
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_geosam.training.step import unwrap
+
+
+class PreconditionerRefresh(keras.callbacks.Callback):
+    """Refreshes an LLQR/LLQRSAM preconditioner on its own batches.
+
+    Use with ``refresh_source="callback"`` on the optimizer. Before every
+    step ``t`` with ``t % refresh_every == 0`` it draws the next
+    preconditioner batch of `batch_size` examples from ``(x, y)``
+    (reshuffled each pass with `seed`), runs the refresh eagerly at the
+    current weights and writes U. Keras picks optimizer variables written in
+    ``on_train_batch_begin`` up from the following step on every backend, so
+    a refresh due at step t takes effect at step t+1 (with the in-step
+    refresh it takes effect at t).
+    """
+
+    def __init__(self, x, y, batch_size=128, seed=0):
+        super().__init__()
+        self.x = np.asarray(ops.convert_to_numpy(x))
+        self.y = np.asarray(ops.convert_to_numpy(y))
+        if len(self.x) != len(self.y):
+            raise ValueError(f"x and y differ in length ({len(self.x)} vs {len(self.y)}).")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
+        self.batch_size = min(batch_size, len(self.x))
+        self._rng = np.random.default_rng(seed)
+        self._order, self._pos = self._rng.permutation(len(self.x)), 0
+        self.num_refreshes = 0
+
+    def _optimizer(self):
+        opt, _ = unwrap(self.model.optimizer)
+        if opt is None or not hasattr(opt, "refresh_now"):
+            raise ValueError("PreconditionerRefresh needs a model compiled with kg.optimizers.LLQR or LLQRSAM.")
+        if opt.refresh_source != "callback":
+            raise ValueError(
+                'PreconditionerRefresh needs the optimizer built with refresh_source="callback"; '
+                "otherwise U is already refreshed inside the train step."
+            )
+        return opt
+
+    def on_train_begin(self, logs=None):
+        self._optimizer()
+
+    def _next_batch(self):
+        if self._pos + self.batch_size > len(self.x):
+            self._order, self._pos = self._rng.permutation(len(self.x)), 0
+        idx = self._order[self._pos : self._pos + self.batch_size]
+        self._pos += self.batch_size
+        return self.x[idx], self.y[idx]
+
+    def on_train_batch_begin(self, batch, logs=None):
+        opt = self._optimizer()
+        step = int(ops.convert_to_numpy(opt.iterations))
+        if step % opt.refresh_every == 0:
+            xb, yb = self._next_batch()
+            opt.refresh_now(self.model, xb, yb)
+            self.num_refreshes += 1
