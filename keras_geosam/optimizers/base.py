@@ -154,11 +154,7 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
 
     @learning_rate.setter
     def learning_rate(self, value):
-        # Keras' own __init__ sets a placeholder before base_optimizer exists.
-        if "base_optimizer" in self.__dict__:
-            self.base_optimizer.learning_rate = value
-        else:
-            super(TwoPassOptimizer, type(self)).learning_rate.fset(self, value)
+        self.base_optimizer.learning_rate = value
 
     @property
     def iterations(self):

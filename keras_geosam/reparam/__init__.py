@@ -28,8 +28,36 @@ _PASS_THROUGH = (
 )
 
 
+_POOLING = (
+    keras.layers.MaxPooling1D,
+    keras.layers.MaxPooling2D,
+    keras.layers.AveragePooling1D,
+    keras.layers.AveragePooling2D,
+    keras.layers.GlobalAveragePooling1D,
+    keras.layers.GlobalAveragePooling2D,
+    keras.layers.GlobalMaxPooling1D,
+    keras.layers.GlobalMaxPooling2D,
+)
+
+
 def _activation_name(fn):
     return "linear" if fn is None else getattr(fn, "__name__", repr(fn))
+
+
+def _channels(layer):
+    """"first" or "last": where a layer's data_format puts the channels (None
+    for layers without one, e.g. Dense, which acts on the last axis)."""
+    fmt = getattr(layer, "data_format", None)
+    if fmt is None:
+        return None
+    return "first" if fmt == "channels_first" else "last"
+
+
+def _output_shape(layer):
+    try:
+        return tuple(layer.output.shape)
+    except Exception:  # layers without a (unique) symbolic output
+        return None
 
 
 def _consumers(model, layer):
@@ -55,7 +83,9 @@ def rescale(model, layer, alpha, next_layer=None):
         layer: a Dense/Conv1D/Conv2D layer or its name.
         alpha: a scalar or one value per output unit (filters/units).
         next_layer: the weighted layer consuming `layer` (found from the
-            model's graph when omitted; required for subclassed models).
+            model's graph when omitted; required for subclassed models). When
+            given, the layers in between are *not* inspected: the caller
+            vouches that they are positively homogeneous.
 
     Returns:
         The model.
@@ -64,6 +94,7 @@ def rescale(model, layer, alpha, next_layer=None):
         ValueError: if the layer type, an activation or a layer in between
             is not positively homogeneous, alpha is not positive (non-zero
             for linear paths), or the consumer cannot be determined uniquely.
+            Nothing is modified when it raises.
     """
     if isinstance(layer, str):
         layer = model.get_layer(layer)
@@ -76,9 +107,13 @@ def rescale(model, layer, alpha, next_layer=None):
     alpha = np.broadcast_to(np.asarray(alpha, dtype="float64"), (units,)).copy()
     acts = {_activation_name(layer.activation)}
     path_kinds = []
+    # Which output unit of `layer` every feature along the channel axis of
+    # the current tensor comes from (a Flatten turns positions into features).
+    source = np.arange(units)
+    channels = _channels(layer) or "last"
 
     # Walk to the next weighted layer, through positively homogeneous ops.
-    current, repeat = layer, 1
+    current = layer
     while True:
         if next_layer is not None and current is layer:
             nxt = next_layer if not isinstance(next_layer, str) else model.get_layer(next_layer)
@@ -97,14 +132,41 @@ def rescale(model, layer, alpha, next_layer=None):
         if isinstance(nxt, keras.layers.Activation):
             acts.add(_activation_name(nxt.activation))
         elif isinstance(nxt, keras.layers.Flatten):
-            shape = current.output.shape if hasattr(current, "output") else None
-            spatial = int(np.prod(shape[1:-1])) if shape is not None else None
-            if spatial is None:
-                raise ValueError(f"Cannot infer the spatial size flattened by {nxt.name!r}.")
-            repeat *= spatial
+            shape = _output_shape(current)
+            if shape is None or any(d is None for d in shape[1:]):
+                raise ValueError(f"Cannot infer the shape flattened by {nxt.name!r}.")
+            dims = list(shape[1:])
+            axis = 0 if channels == "first" else len(dims) - 1  # among the non-batch axes
+            if dims[axis] != source.size:
+                raise ValueError(
+                    f"Cannot rescale {layer.name!r}: the tensor reaching "
+                    f"{nxt.name!r} has {dims[axis]} channels, not {source.size}."
+                )
+            ids = np.moveaxis(np.broadcast_to(source, dims[:axis] + dims[axis + 1 :] + [source.size]), -1, axis)
+            if getattr(nxt, "_channels_first", False) and len(dims) > 1:
+                ids = np.moveaxis(ids, 0, -1)  # Flatten transposes to channels-last
+            source = ids.reshape(-1)
+            channels = "last"
         elif isinstance(nxt, _PASS_THROUGH):
-            if isinstance(nxt, (keras.layers.ReLU, keras.layers.LeakyReLU)):
+            if isinstance(nxt, keras.layers.ReLU):
+                if nxt.max_value is not None or nxt.threshold != 0:
+                    raise ValueError(
+                        f"Cannot rescale {layer.name!r}: {nxt.name!r} is a ReLU "
+                        f"with max_value={nxt.max_value} and threshold="
+                        f"{nxt.threshold}, which is not positively homogeneous."
+                    )
                 acts.add("relu")
+            elif isinstance(nxt, keras.layers.LeakyReLU):
+                acts.add("relu")
+            elif isinstance(nxt, _POOLING):
+                if _channels(nxt) not in (None, channels):
+                    raise ValueError(
+                        f"Cannot rescale {layer.name!r}: {nxt.name!r} pools with "
+                        f"data_format={nxt.data_format!r}, which does not match "
+                        f"the channel axis of its input, so it mixes channels."
+                    )
+                if type(nxt).__name__.startswith("Global") and not getattr(nxt, "keepdims", False):
+                    channels = "last"
         else:
             raise ValueError(
                 f"Cannot rescale {layer.name!r}: {nxt.name!r} "
@@ -127,17 +189,24 @@ def rescale(model, layer, alpha, next_layer=None):
     if np.any(alpha == 0) or not np.all(np.isfinite(alpha)):
         raise ValueError(f"alpha must be finite and non-zero; got {alpha}.")
 
-    layer.kernel.assign(keras.ops.convert_to_numpy(layer.kernel) * alpha)
-    if layer.bias is not None:
-        layer.bias.assign(keras.ops.convert_to_numpy(layer.bias) * alpha)
     k = keras.ops.convert_to_numpy(nxt.kernel)
-    inv = np.tile(1.0 / alpha, repeat)
+    if (_channels(nxt) or "last") != channels:
+        raise ValueError(
+            f"Cannot rescale {layer.name!r}: {nxt.name!r} contracts the channels "
+            f"{'last' if isinstance(nxt, keras.layers.Dense) else nxt.data_format}"
+            f", but the units of {layer.name!r} reach it on the channels-{channels} axis."
+        )
+    inv = 1.0 / alpha[source]
     if k.shape[-2] != inv.shape[0]:
         raise ValueError(
             f"{nxt.name!r} has {k.shape[-2]} inputs but {layer.name!r} provides "
             f"{inv.shape[0]} after the layers in between."
         )
     shape = (1,) * (k.ndim - 2) + (inv.shape[0], 1)
+    # Everything is checked: only now are weights written.
+    layer.kernel.assign(keras.ops.convert_to_numpy(layer.kernel) * alpha)
+    if layer.bias is not None:
+        layer.bias.assign(keras.ops.convert_to_numpy(layer.bias) * alpha)
     nxt.kernel.assign(k * inv.reshape(shape))
     return model
 

@@ -14,10 +14,13 @@ exactly one pass (``optimizer.bn_stats``), both passes starting from the same
 values; integer variables (dropout seed state) advance through both passes,
 so the perturbed pass draws a fresh mask (``optimizer.dropout="fresh"``).
 
-Non-finite values: if the loss or either gradient holds NaN/Inf the whole
-step is skipped: weights, optimizer state and BatchNorm statistics stay as
-they were, the ``skipped_steps`` metric counts it, and under mixed_float16
-the loss scale is halved. Nothing non-finite reaches the weights.
+Non-finite values: if the loss or either gradient holds NaN/Inf (or a
+gradient's squared norm overflows the float type, i.e. a norm beyond ~1e19
+in float32) the whole step is skipped: weights, optimizer state and
+BatchNorm statistics stay as they were, the ``skipped_steps`` metric counts
+it, and under mixed_float16 the loss scale is halved. Nothing non-finite
+reaches the weights. The check reuses the squared norms the SAM statistics
+need anyway, instead of an element-wise isfinite pass over every gradient.
 
 The JAX trainer passes state explicitly (``train_step(state, data)``);
 TensorFlow and torch mutate variables (``train_step(data)``).
@@ -41,8 +44,22 @@ def unwrap(optimizer):
     return (optimizer if isinstance(optimizer, TwoPassOptimizer) else None), None
 
 
-def _all_finite(tensors):
-    return ops.all(ops.stack([ops.all(ops.isfinite(t)) for t in tensors]))
+def _sum_products(a, b):
+    return sum(ops.sum(ops.cast(x, "float32") * ops.cast(y, "float32")) for x, y in zip(a, b))
+
+
+def _finalise(r):
+    """Adds squared norms, their dot product and the finite flag to `r`."""
+    r["sq_c"] = _sum_products(r["g_c"], r["g_c"])
+    if r["g_p"] is r["g_c"]:
+        r["sq_p"] = r["dot"] = r["sq_c"]
+    else:
+        r["sq_p"] = _sum_products(r["g_p"], r["g_p"])
+        r["dot"] = _sum_products(r["g_c"], r["g_p"])
+    # NaN or Inf anywhere in a gradient makes its squared norm non-finite.
+    total = ops.cast(r["loss_c"], "float32") + ops.cast(r["loss_p"], "float32") + r["sq_c"] + r["sq_p"]
+    r["finite"] = ops.isfinite(total)
+    return r
 
 
 def _forward(model, tv, ntv, mv, x, y, sw, scale):
@@ -77,11 +94,10 @@ def two_pass(model, optimizer, tv, ntv, mv, x, y, sw, scale=None):
         else:
             g_c = [g * float(replicas) for g in g_c]
     if optimizer.num_passes == 1:
-        finite = _all_finite([loss_c] + list(g_c))
-        return {
+        return _finalise({
             "loss_c": loss_c, "loss_p": loss_c, "g_c": g_c, "g_p": g_c,
-            "y_pred": y_pred, "ntv": ntv_c, "mv": mv_c, "finite": finite,
-        }
+            "y_pred": y_pred, "ntv": ntv_c, "mv": mv_c,
+        })
     eps = optimizer.perturbation(g_c, list(tv))
     tv_p = [t + ops.cast(e, t.dtype) for t, e in zip(tv, eps)]
     # Floats restart from the step's values (one pass updates BN statistics);
@@ -95,11 +111,10 @@ def two_pass(model, optimizer, tv, ntv, mv, x, y, sw, scale=None):
         g_p = [g / ops.cast(scale, g.dtype) for g in g_p]
     keep = ntv_c if optimizer.bn_stats == "centre" else ntv_p
     new_ntv = [k if _is_float(v) else p for v, k, p in zip(ntv, keep, ntv_p)]
-    finite = _all_finite([loss_c, loss_p] + list(g_c) + list(g_p))
-    return {
+    return _finalise({
         "loss_c": loss_c, "loss_p": loss_p, "g_c": g_c, "g_p": g_p,
-        "y_pred": y_pred, "ntv": new_ntv, "mv": mv_c, "finite": finite,
-    }
+        "y_pred": y_pred, "ntv": new_ntv, "mv": mv_c,
+    })
 
 
 def _is_float(value):
@@ -107,11 +122,10 @@ def _is_float(value):
 
 
 def _sam_statistics(r):
-    gc, gp = r["g_c"], r["g_p"]
-    nc = ops.sqrt(sum(ops.sum(ops.square(g)) for g in gc))
-    np_ = ops.sqrt(sum(ops.sum(ops.square(g)) for g in gp))
-    cos = sum(ops.sum(a * b) for a, b in zip(gc, gp)) / (nc * np_ + 1e-30)
-    return {"sharpness_gap": r["loss_p"] - r["loss_c"], "grad_norm": nc, "grad_cosine": cos}
+    nc, np_ = ops.sqrt(r["sq_c"]), ops.sqrt(r["sq_p"])
+    cos = r["dot"] / (nc * np_ + 1e-30)
+    gap = ops.cast(r["loss_p"], "float32") - ops.cast(r["loss_c"], "float32")
+    return {"sharpness_gap": gap, "grad_norm": nc, "grad_cosine": cos}
 
 
 def update_metrics(model, mv, r, x, y, sw):

@@ -1,0 +1,176 @@
+#!/usr/bin/env python
+"""Benchmark of LLQR+SAM's cost against plain SGD.
+
+One backend per process (Keras cannot switch backends inside a process):
+
+    KERAS_BACKEND=jax python bench/llqr.py [--quick] [--json out.json]
+    python bench/llqr.py --all [--quick]
+
+Per backend, on MLPs 784-w-w-10 (ReLU, batch 128, random data):
+
+- step time of SGD(momentum 0.9), SAM and LLQRSAM (diagonal and K-FAC) when
+  no refresh is due, measured side by side with ``train_on_batch`` after
+  warm-up (median of repeats);
+- refresh wall time per structure (``optimizer.refresh_now``: 50 inner steps,
+  compiled, after a warm-up refresh);
+- the amortised LLQRSAM step at ``refresh_every=1000``:
+  ``t_step + t_refresh / 1000``, and its ratio to the SGD step;
+- the growth of LLQRSAM's overhead over SGD (amortised, diagonal) with the
+  parameter count P across the widths: the exponent k of a least-squares fit
+  ``overhead ~ P^k`` in log-log.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+BACKENDS = ("jax", "tensorflow", "torch")
+BATCH = 128
+REFRESH_EVERY = 1000
+
+
+def _mlp(width, kg, keras):
+    keras.utils.set_random_seed(0)
+    return kg.Sequential([
+        keras.Input((784,)),
+        keras.layers.Dense(width, activation="relu"),
+        keras.layers.Dense(width, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+
+
+def _step_time(model, x, y, repeats):
+    for _ in range(3):  # compile + settle
+        model.train_on_batch(x, y)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        model.train_on_batch(x, y)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure(width, repeats, refresh_repeats):
+    import keras
+    import numpy as np
+
+    import keras_geosam as kg
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH, 784)).astype("float32")
+    y = rng.integers(0, 10, size=BATCH).astype("int32")
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    base = lambda: keras.optimizers.SGD(0.01, momentum=0.9)
+    row = {"width": width}
+    configs = {
+        "sgd": lambda: base(),
+        "sam": lambda: kg.optimizers.SAM(base(), rho=0.05),
+        # refresh_source="callback": no refresh inside these timed steps;
+        # the refresh is timed on its own below.
+        "llqrsam_diagonal": lambda: kg.optimizers.LLQRSAM(base(), structure="diagonal", refresh_source="callback"),
+        "llqrsam_kfac": lambda: kg.optimizers.LLQRSAM(base(), structure="kfac", refresh_source="callback"),
+    }
+    for name, make in configs.items():
+        model = _mlp(width, kg, keras)
+        opt = make()
+        model.compile(optimizer=opt, loss=loss)
+        row["params"] = int(sum(np.prod(v.shape) for v in model.trainable_variables))
+        row[f"{name}_step_ms"] = 1e3 * _step_time(model, x, y, repeats)
+        if name.startswith("llqrsam"):
+            opt.refresh_now(model, x, y)  # compile
+            times = []
+            for _ in range(refresh_repeats):
+                t = time.perf_counter()
+                opt.refresh_now(model, x, y)
+                keras.ops.convert_to_numpy(opt._u[0])  # synchronise
+                times.append(time.perf_counter() - t)
+            refresh = statistics.median(times)
+            row[f"{name}_refresh_s"] = refresh
+            row[f"{name}_amortised_ms"] = row[f"{name}_step_ms"] + 1e3 * refresh / REFRESH_EVERY
+    sgd = row["sgd_step_ms"]
+    row["sam_ratio"] = row["sam_step_ms"] / sgd
+    for s in ("diagonal", "kfac"):
+        row[f"llqrsam_{s}_ratio"] = row[f"llqrsam_{s}_amortised_ms"] / sgd
+    return row
+
+
+def fit_exponent(rows, key):
+    import numpy as np
+
+    P = np.array([r["params"] for r in rows], float)
+    over = np.array([r[key] - r["sgd_step_ms"] for r in rows], float)
+    ok = over > 0
+    if ok.sum() < 2:
+        return float("nan")
+    return float(np.polyfit(np.log(P[ok]), np.log(over[ok]), 1)[0])
+
+
+def run_backend(quick):
+    import keras
+
+    widths = (64, 128, 256) if quick else (64, 128, 256, 512, 1024)
+    repeats, refresh_repeats = (5, 1) if quick else (20, 3)
+    rows = []
+    for w in widths:
+        print(f"  {keras.backend.backend()}: width {w}", file=sys.stderr, flush=True)
+        rows.append(measure(w, repeats, refresh_repeats))
+    return {
+        "backend": keras.backend.backend(),
+        "rows": rows,
+        "exponent_diagonal": fit_exponent(rows, "llqrsam_diagonal_amortised_ms"),
+        "exponent_kfac": fit_exponent(rows, "llqrsam_kfac_amortised_ms"),
+    }
+
+
+def table(results):
+    lines = [
+        "| backend | width | params | SGD ms | SAM / SGD | LLQRSAM diag / SGD | LLQRSAM K-FAC / SGD | refresh diag s | refresh K-FAC s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for res in results:
+        for r in res["rows"]:
+            lines.append(
+                f"| {res['backend']} | {r['width']} | {r['params']} | {r['sgd_step_ms']:.2f} | {r['sam_ratio']:.2f} | "
+                f"{r['llqrsam_diagonal_ratio']:.2f} | {r['llqrsam_kfac_ratio']:.2f} | "
+                f"{r['llqrsam_diagonal_refresh_s']:.3f} | {r['llqrsam_kfac_refresh_s']:.3f} |"
+            )
+    lines.append("")
+    lines.append("| backend | overhead exponent (diag) | overhead exponent (K-FAC) |")
+    lines.append("|---|---|---|")
+    for res in results:
+        lines.append(f"| {res['backend']} | {res['exponent_diagonal']:.2f} | {res['exponent_kfac']:.2f} |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--all", action="store_true", help="one subprocess per backend, combined table")
+    p.add_argument("--json")
+    args = p.parse_args()
+    if args.all:
+        import tempfile
+
+        results = []
+        for b in BACKENDS:
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+                path = f.name
+            cmd = [sys.executable, __file__, "--json", path] + (["--quick"] if args.quick else [])
+            subprocess.run(cmd, check=True, env=dict(os.environ, KERAS_BACKEND=b))
+            with open(path) as f:
+                results.append(json.load(f))
+            os.unlink(path)
+    else:
+        results = [run_backend(args.quick)]
+    print(table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results[0] if not args.all else results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
