@@ -34,17 +34,7 @@ def compile(fn):
     return jax.jit(fn)
 
 
-def replica_count():
-    """Per-replica gradients do not exist here: gradients are global."""
-    return 1
-
-
-def all_reduce_sum(tensors):
-    return list(tensors)
-
-
-def cond_apply(pred, apply_fn, skip_fn, args):
-    """Runs ``apply_fn(*args)`` if `pred` else ``skip_fn()``."""
-    from keras import ops
-
-    ops.cond(pred, lambda: apply_fn(*args), skip_fn)
+# Keras offers no per-replica train step on this backend: gradients are global.
+from keras_geosam.backend._single_device import all_reduce_sum  # noqa: E402,F401
+from keras_geosam.backend._single_device import cond_apply  # noqa: E402,F401
+from keras_geosam.backend._single_device import replica_count  # noqa: E402,F401

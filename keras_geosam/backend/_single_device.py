@@ -1,0 +1,21 @@
+"""Distribution helpers for backends whose step sees global gradients.
+
+Under JAX ``keras.distribution`` the gradient of the sharded batch is already
+global, and Keras 3 ``fit`` has no multi-device torch support, so there are
+no per-replica gradients to reduce and no cross-replica context to respect.
+"""
+
+from keras import ops
+
+
+def replica_count():
+    return 1
+
+
+def all_reduce_sum(tensors):
+    return list(tensors)
+
+
+def cond_apply(pred, apply_fn, skip_fn, args):
+    """Runs ``apply_fn(*args)`` if `pred` else ``skip_fn()``."""
+    ops.cond(pred, lambda: apply_fn(*args), skip_fn)
