@@ -50,8 +50,9 @@ def load(name, seed=0, test_fraction=0.25):
             (x_tr, y_tr), (x_te, y_te) = getattr(keras.datasets, name).load_data()
         except Exception as e:
             raise RuntimeError(
-                f"{name} is not cached under {cache} ({fname}) and could not be "
-                f"downloaded ({type(e).__name__}). Fetch it once with "
+                f"{name} is not cached in Keras' dataset cache ({fname} under "
+                f"{cache}, or /tmp/.keras/datasets when that is not writable) "
+                f"and could not be downloaded: {e}. Fetch it once with "
                 f"keras.datasets.{name}.load_data() on a machine with internet "
                 f"access, or use the offline datasets 'digits' or 'mnist1d'."
             ) from e

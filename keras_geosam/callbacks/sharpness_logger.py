@@ -66,6 +66,13 @@ class SharpnessLogger(keras.callbacks.Callback):
             raise ValueError(f"every_n_epochs must be an integer >= 1, got {every_n_epochs!r}.")
         if isinstance(num_probes, bool) or not isinstance(num_probes, int) or num_probes < 1:
             raise ValueError(f"num_probes must be an integer >= 1, got {num_probes!r}.")
+        options = dict(options or {})
+        stray = [k for k in options if k not in metrics]
+        if stray:
+            raise ValueError(
+                f"options given for {stray}, which are not among the logged "
+                f"metrics {list(metrics)}."
+            )
         self.x, self.y = x, y
         self.metrics = tuple(metrics)
         self.every_n_epochs = every_n_epochs
@@ -73,7 +80,7 @@ class SharpnessLogger(keras.callbacks.Callback):
         self.seed = seed
         self.batch_size = batch_size
         self.prefix = prefix
-        self.options = dict(options or {})
+        self.options = options
         self.history = []
 
     @staticmethod

@@ -38,8 +38,20 @@ def _prepare(model):
         model.optimizer.build(model.trainable_variables)
 
 
+def _metrics_result(model, result):
+    """`result` (Keras' get_metrics_result dict) without the step's trackers."""
+    ours = {id(t) for t in _step.step_trackers(model)}
+    if not ours:
+        return result
+    hidden = {m.name for m in model.metrics if id(m) in ours}
+    return {k: v for k, v in result.items() if k not in hidden}
+
+
 class TwoPassStepMixin:
     """Gives a keras.Model the exact two-pass train step."""
+
+    def get_metrics_result(self):
+        return _metrics_result(self, super().get_metrics_result())
 
     def compile(self, *args, **kwargs):
         super().compile(*args, **kwargs)
@@ -80,6 +92,7 @@ def attach(model):
         raise TypeError(f"kg.attach needs a keras.Model, got {type(model).__name__}.")
     stock_step = type(model).train_step
     stock_compile = model.compile
+    stock_result = type(model).get_metrics_result
 
     def train_step(self, *args):
         if _step.unwrap(self.optimizer)[0] is None:
@@ -90,7 +103,11 @@ def attach(model):
         stock_compile(*args, **kwargs)
         _prepare(model)
 
+    def get_metrics_result(self):
+        return _metrics_result(self, stock_result(self))
+
     object.__setattr__(model, "train_step", types.MethodType(train_step, model))
+    object.__setattr__(model, "get_metrics_result", types.MethodType(get_metrics_result, model))
     object.__setattr__(model, "compile", compile)
     object.__setattr__(model, "_geosam_attached", True)
     model.train_function = None

@@ -146,12 +146,22 @@ def update_metrics(model, mv, r, x, y, sw):
         skipped = getattr(model, "_geosam_skipped_steps", None)
         if skipped is not None:
             skipped.update_state(1.0 - ops.cast(finite, "float32"))
-        logs = model.compute_metrics(x, y, r["y_pred"], sw)
+        logs = dict(model.compute_metrics(x, y, r["y_pred"], sw))
+        # The step's statistics are reported by training only: they are kept
+        # out of get_metrics_result, so evaluate() returns what Keras would.
+        for tracker in step_trackers(model):
+            logs[tracker.name] = tracker.result()
     new_mv = []
     for v in model.metrics_variables:
         value = scope.get_current_value(v)
         new_mv.append(v.value if value is None else value)
     return logs, new_mv
+
+
+def step_trackers(model):
+    """The metrics this step adds to a model (absent ones skipped)."""
+    names = SAM_METRICS + ("skipped_steps",)
+    return [t for t in (getattr(model, "_geosam_" + n, None) for n in names) if t is not None]
 
 
 def _scale_of(lso):
