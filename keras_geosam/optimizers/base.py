@@ -31,11 +31,14 @@ _ATTACH_HINT = (
 _BN_STATS = ("centre", "perturbed")
 _DROPOUT = ("fresh", "same")
 _PERTURBATION = ("global", "per_replica")
-_BASE_ONLY_KWARGS = (
-    "weight_decay", "clipnorm", "global_clipnorm", "clipvalue", "use_ema",
-    "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor",
-    "gradient_accumulation_steps",
-)
+# Arguments that belong to the base optimizer, with Keras' defaults (passing
+# the default is harmless, e.g. from a config; anything else is an error).
+_BASE_ONLY_KWARGS = {
+    "weight_decay": None, "clipnorm": None, "global_clipnorm": None,
+    "clipvalue": None, "use_ema": False, "ema_momentum": 0.99,
+    "ema_overwrite_frequency": None, "loss_scale_factor": None,
+    "gradient_accumulation_steps": None,
+}
 
 
 def global_norm(tensors):
@@ -55,9 +58,10 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
         bn_stats: which pass's BatchNorm moving statistics are kept,
             ``"centre"`` or ``"perturbed"``; exactly one pass updates them.
         dropout: ``"fresh"`` (default) draws a new dropout mask in the
-            perturbed pass; ``"same"`` reuses the centre pass's mask (JAX and
-            TF; torch draws dropout masks from its global RNG, so masks
-            always differ there).
+            perturbed pass; ``"same"`` reuses the centre pass's mask. On torch
+            a Dropout layer created without a ``seed`` draws from torch's
+            global RNG, so its masks differ between passes whatever this
+            says; give such layers a seed for ``"same"``.
         perturbation: under ``tf.distribute`` each replica sees its own
             gradient: ``"global"`` (default) all-reduces the centre gradient
             so every replica uses one perturbation; ``"per_replica"`` perturbs
@@ -68,13 +72,12 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
     """
 
     def __init__(self, base_optimizer, bn_stats="centre", dropout="fresh", perturbation="global", name=None, **kwargs):
-        for key in _BASE_ONLY_KWARGS:
-            if kwargs.get(key) not in (None, False, 0.99) and key in kwargs:
+        for key, default in _BASE_ONLY_KWARGS.items():
+            if key in kwargs and kwargs.pop(key) != default:
                 raise ValueError(
                     f"{type(self).__name__} does not take `{key}`: set it on "
                     f"the base optimizer, which applies the descent step."
                 )
-            kwargs.pop(key, None)
         if kwargs:
             raise ValueError(f"{type(self).__name__} got unexpected arguments {sorted(kwargs)}.")
         if isinstance(base_optimizer, (str, dict)):
@@ -138,6 +141,8 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
         return self.add_variable_from_reference(reference, name, initializer=initializer)
 
     def build(self, var_list):
+        if self.built:  # Keras' loading calls build after compile has
+            return
         if not self._owned_by_step:
             raise RuntimeError(_ATTACH_HINT.format(name=type(self).__name__))
         self.base_optimizer.build(var_list)

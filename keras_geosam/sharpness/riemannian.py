@@ -49,11 +49,20 @@ def is_piecewise_linear(model):
         keras.layers.Dense, keras.layers.Conv1D, keras.layers.Conv2D,
         keras.layers.Flatten, keras.layers.Reshape, keras.layers.Dropout,
         keras.layers.MaxPooling1D, keras.layers.MaxPooling2D,
-        keras.layers.ReLU, keras.layers.LeakyReLU, keras.layers.InputLayer,
+        keras.layers.AveragePooling1D, keras.layers.AveragePooling2D,
+        keras.layers.GlobalAveragePooling1D, keras.layers.GlobalAveragePooling2D,
+        keras.layers.GlobalMaxPooling1D, keras.layers.GlobalMaxPooling2D,
+        keras.layers.LeakyReLU, keras.layers.InputLayer,
         keras.layers.Add, keras.layers.Concatenate,
     )
     layers = list(model._flatten_layers(include_self=False))
     for i, layer in enumerate(layers):
+        if isinstance(layer, keras.layers.ReLU):
+            # max_value / threshold make it not piecewise linear *through 0*,
+            # but it stays piecewise linear in every single parameter.
+            continue
+        if isinstance(layer, keras.layers.Softmax) and i == len(layers) - 1:
+            continue  # belongs to the loss
         if isinstance(layer, keras.layers.Activation):
             name = getattr(layer.activation, "__name__", "")
             if name not in _HOMOGENEOUS and not (name == "softmax" and i == len(layers) - 1):

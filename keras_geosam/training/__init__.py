@@ -9,6 +9,8 @@ train exactly like their Keras parents.
 import types
 
 import keras
+from keras.src.models.functional import Functional
+from keras.src.models.model import functional_init_arguments
 
 from keras_geosam.training import step as _step
 
@@ -29,11 +31,21 @@ def _prepare(model):
                 'already global. Use perturbation="global".'
             )
     opt._owned_by_step = True
-    for name in _step.SAM_METRICS if opt.num_passes == 2 else ():
-        if getattr(model, "_geosam_" + name, None) is None:
-            setattr(model, "_geosam_" + name, keras.metrics.Mean(name=name))
-    if getattr(model, "_geosam_skipped_steps", None) is None:
-        model._geosam_skipped_steps = keras.metrics.Sum(name="skipped_steps")
+    # A built subclassed model (keras-hub, keras-cv) locks its state; metrics
+    # are no weights, so adding the trackers is safe.
+    tracker = getattr(model, "_tracker", None)
+    locked = bool(tracker is not None and tracker.locked)
+    if locked:
+        tracker.unlock()
+    try:
+        for name in _step.SAM_METRICS if opt.num_passes == 2 else ():
+            if getattr(model, "_geosam_" + name, None) is None:
+                setattr(model, "_geosam_" + name, keras.metrics.Mean(name=name))
+        if getattr(model, "_geosam_skipped_steps", None) is None:
+            model._geosam_skipped_steps = keras.metrics.Sum(name="skipped_steps")
+    finally:
+        if locked:
+            tracker.lock()
     if model.built and not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
 
@@ -57,6 +69,13 @@ class TwoPassStepMixin:
         super().compile(*args, **kwargs)
         _prepare(self)
 
+    def compile_from_config(self, config):
+        # Keras skips compiling on load when compile() is overridden.
+        config = keras.saving.deserialize_keras_object(config)
+        self.compile(**config)
+        if hasattr(self, "optimizer") and self.built:
+            self.optimizer.build(self.trainable_variables)
+
     def make_train_function(self, force=False):
         _prepare(self)
         return super().make_train_function(force=force)
@@ -71,6 +90,20 @@ class TwoPassStepMixin:
 class Model(TwoPassStepMixin, keras.Model):
     """``keras.Model`` with the two-pass step: ``kg.Model(inputs, outputs)``
     or ``class Net(kg.Model)``."""
+
+    def __new__(cls, *args, **kwargs):
+        # keras.Model(inputs, outputs) rebases the class onto Functional in
+        # place, which would break `class Net(kg.Model)` for the rest of the
+        # process; build functional instances from a fixed subclass instead.
+        if cls is Model and functional_init_arguments(args, kwargs):
+            return keras.Model.__new__(FunctionalModel, *args, **kwargs)
+        return super().__new__(cls, *args, **kwargs)
+
+
+@keras.saving.register_keras_serializable(package="keras_geosam")
+class FunctionalModel(Model, Functional):
+    """What ``kg.Model(inputs, outputs)`` returns: a functional model with
+    the two-pass step (``isinstance(m, kg.Model)`` holds)."""
 
 
 @keras.saving.register_keras_serializable(package="keras_geosam")

@@ -197,14 +197,13 @@ def stateful_train_step(model, data):
 
 
 def _loss_scale_grow(lso):
-    def upscale():
-        lso.step_counter.assign(0)
-        lso.dynamic_scale.assign(lso.dynamic_scale * 2.0)
-
-    def increment():
-        lso.step_counter.assign_add(1)
-
-    ops.cond(ops.equal(lso.step_counter, lso.dynamic_growth_steps - 1), upscale, increment)
+    """LossScaleOptimizer's growth rule after a finite step, without a nested
+    cond (inside the JAX step's cond branch its tracers would leak)."""
+    counter = ops.convert_to_tensor(lso.step_counter)
+    scale = ops.convert_to_tensor(lso.dynamic_scale)
+    grow = ops.equal(counter, lso.dynamic_growth_steps - 1)
+    lso.step_counter.assign(ops.where(grow, ops.zeros_like(counter), counter + 1))
+    lso.dynamic_scale.assign(ops.where(grow, scale * 2.0, scale))
 
 
 def stateless_train_step(model, state, data):
