@@ -64,8 +64,18 @@ def per_example_grads(f, params, *batch):
     def one(*example):
         return torch.func.grad(f)(list(params), *[e[None] for e in example])
 
-    with torch.no_grad():
-        return torch.func.vmap(one)(*batch)
+    try:
+        with torch.no_grad():
+            return torch.func.vmap(one)(*batch)
+    except RuntimeError as e:
+        # Keras' torch Conv layers clone to channels_last, which
+        # torch.func.vmap does not implement yet ("NYI ... ChannelsLast");
+        # it fails at that first op, so trying costs little.
+        if "vmap" not in str(e) and "NYI" not in str(e):
+            raise
+    # Fallback: one functional gradient per example (a loop, so slower).
+    rows = [one(*[e[i] for e in batch]) for i in range(batch[0].shape[0])]
+    return [torch.stack(parts) for parts in zip(*rows)]
 
 
 def compile(fn):

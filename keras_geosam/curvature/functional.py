@@ -20,6 +20,12 @@ from keras_geosam.curvature.losses import resolve_loss
 _CACHE = weakref.WeakKeyDictionary()
 
 
+def _mean(values):
+    # keras.ops.mean computes float64 in float32 on JAX and torch (Keras 3.15
+    # result_type); a sum divided by the count keeps the input's precision.
+    return ops.sum(values) / ops.cast(ops.size(values), values.dtype)
+
+
 class ModelFunctions:
     """Loss, log-probabilities and their derivatives as pure functions.
 
@@ -75,7 +81,10 @@ class ModelFunctions:
 
     # ------------------------------------------------- pure functions ----
     def outputs(self, params, nt, x):
-        out = self.model.stateless_call(params, nt, x, training=self.training, return_losses=True)
+        # stateless_call reaches call() directly: pass `training` only if
+        # the model's call takes it.
+        kwargs = {"training": self.training} if self.model._call_has_training_arg else {}
+        out = self.model.stateless_call(params, nt, x, return_losses=True, **kwargs)
         y_pred, _, losses = out
         if isinstance(y_pred, (list, tuple, dict)):
             raise ValueError("keras_geosam curvature routines need a single-output model.")
@@ -84,7 +93,7 @@ class ModelFunctions:
     def loss(self, params, nt, x, y):
         """Mean loss over the batch, plus regularisation losses."""
         y_pred, losses = self.outputs(params, nt, x)
-        value = ops.mean(self.spec.per_example(y, y_pred))
+        value = _mean(self.spec.per_example(y, y_pred))
         if self.include_regularization and losses:
             value = value + ops.sum(ops.stack([ops.cast(l, value.dtype) for l in losses]))
         return value
@@ -97,7 +106,7 @@ class ModelFunctions:
         """Mean negative log-likelihood of integer `labels` (no regularisers)."""
         logp = self.log_probs(params, nt, x)
         picked = ops.take_along_axis(logp, ops.expand_dims(ops.cast(labels, "int32"), -1), axis=-1)
-        return -ops.mean(picked)
+        return -_mean(picked)
 
     def ggn_surrogate(self, params, nt, x, scale):
         """-scale * sum_n sum_k sg(p_nk) log p_nk; its Hessian is the GGN.
@@ -130,7 +139,7 @@ class ModelFunctions:
     def _k_per_example_grads(self, params, nt, x, y):
         def f(p, xi, yi):
             y_pred, _ = self.outputs(p, nt, xi)
-            return ops.mean(self.spec.per_example(yi, y_pred))
+            return _mean(self.spec.per_example(yi, y_pred))
 
         return backend.per_example_grads(f, params, x, y)
 

@@ -1,0 +1,47 @@
+"""Shared fixtures. The suite runs once per backend, each in its own process:
+
+    KERAS_BACKEND=jax|tensorflow|torch python -m pytest tests
+"""
+
+import os
+
+# Must precede any jax import (Keras' JAX backend and the test reference both
+# use jax); without it float64 silently becomes float32 under JAX.
+os.environ["JAX_ENABLE_X64"] = "1"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "cross_backend: spawns the other Keras backends in subprocesses"
+    )
+
+
+def pytest_report_header(config):
+    return f"keras {keras.__version__}, backend {keras.backend.backend()}"
+
+
+@pytest.fixture
+def float64():
+    """Keras layers created inside the test hold float64 weights."""
+    keras.config.set_floatx("float64")
+    try:
+        yield "float64"
+    finally:
+        keras.config.set_floatx("float32")
+
+
+@pytest.fixture(autouse=True)
+def seeds():
+    """Seeds Python, NumPy and the backend RNG before every test."""
+    keras.utils.set_random_seed(1234)
+    yield 1234
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(20240607)

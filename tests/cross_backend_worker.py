@@ -1,0 +1,80 @@
+"""Worker for test_float32_results_agree_across_backends.
+
+``KERAS_BACKEND=<b> python tests/cross_backend_worker.py OUT.npz`` builds a
+small float32 conv/BN classifier, sets every weight from a fixed NumPy seed,
+and saves the loss, gradient, HVP, GGN-vector product and per-example
+gradients on fixed NumPy data. ``compute()`` is also called in-process by the
+test on the JAX backend.
+"""
+
+import sys
+
+import numpy as np
+
+
+def compute():
+    import keras
+
+    from keras_geosam import curvature as kc
+
+    assert keras.config.floatx() == "float32"
+    rng = np.random.default_rng(2024)
+    inp = keras.Input((5, 5, 2))
+    h = keras.layers.Conv2D(3, 3, activation="tanh")(inp)
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.Dense(6)(h)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Activation("sigmoid")(h)
+    out = keras.layers.Dense(3)(h)
+    model = keras.Model(inp, out)
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    for v in model.weights:  # same order and shapes on every backend
+        if "moving_variance" in v.path:
+            value = rng.uniform(0.5, 1.5, size=v.shape)
+        elif "gamma" in v.path:
+            value = 1.0 + 0.2 * rng.normal(size=v.shape)
+        else:
+            value = 0.5 * rng.normal(size=v.shape)
+        v.assign(value.astype("float32"))
+
+    x = rng.normal(size=(8, 5, 5, 2)).astype("float32")
+    y = rng.integers(0, 3, size=8).astype("int32")
+    vec = [rng.normal(size=v.shape).astype("float32") for v in model.trainable_variables]
+
+    def flat(ts):
+        return np.concatenate([np.ravel(keras.ops.convert_to_numpy(t)) for t in ts])
+
+    def rows(ts):
+        arrays = [np.asarray(keras.ops.convert_to_numpy(t)) for t in ts]
+        return np.concatenate([a.reshape(a.shape[0], -1) for a in arrays], axis=1)
+
+    out, errors = {"weights": flat(model.weights)}, []
+    steps = {
+        "loss_grad": lambda: kc.loss_and_gradient(model, x, y),
+        "hvp": lambda: flat(kc.hvp(model, x, y, vec)),
+        "ggnvp": lambda: flat(kc.ggnvp(model, x, y, vec)),
+        "per_example": lambda: rows(kc.per_example_gradients(model, x, y)),
+        "sampled": lambda: kc.sampled_label_gradients(model, x, num_samples=2, seed=5),
+    }
+    for key, step in steps.items():
+        # Each quantity on its own, so one failure does not hide the others.
+        try:
+            value = step()
+        except Exception as e:  # reported by the test
+            errors.append(f"{key}: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        if key == "loss_grad":
+            out["loss"] = np.asarray(keras.ops.convert_to_numpy(value[0])).reshape(1)
+            out["grad"] = flat(value[1])
+        elif key == "sampled":
+            out["sampled"] = rows(value[0])
+            out["labels"] = np.asarray(value[1])
+        else:
+            out[key] = value
+    out["errors"] = np.array(errors, dtype=str)
+    return out
+
+
+if __name__ == "__main__":
+    np.savez(sys.argv[1], **compute())
