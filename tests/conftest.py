@@ -27,12 +27,17 @@ def pytest_report_header(config):
 
 @pytest.fixture
 def float64():
-    """Keras layers created inside the test hold float64 weights."""
+    """Keras layers created inside the test hold float64 weights.
+
+    The global dtype policy is fixed when the first layer is created, so it
+    is set alongside floatx."""
     keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
     try:
         yield "float64"
     finally:
         keras.config.set_floatx("float32")
+        keras.config.set_dtype_policy("float32")
 
 
 @pytest.fixture(autouse=True)

@@ -14,10 +14,9 @@ class PreconditionerRefresh(keras.callbacks.Callback):
     step ``t`` with ``t % refresh_every == 0`` it draws the next
     preconditioner batch of `batch_size` examples from ``(x, y)``
     (reshuffled each pass with `seed`), runs the refresh eagerly at the
-    current weights and writes U. Keras picks optimizer variables written in
-    ``on_train_batch_begin`` up from the following step on every backend, so
-    a refresh due at step t takes effect at step t+1 (with the in-step
-    refresh it takes effect at t).
+    current weights and writes U, which step t then uses (as with the
+    in-step refresh). Needs ``steps_per_execution=1``: Keras calls batch
+    callbacks once per execution, so due steps inside one would be missed.
     """
 
     def __init__(self, x, y, batch_size=128, seed=0):
@@ -44,8 +43,22 @@ class PreconditionerRefresh(keras.callbacks.Callback):
             )
         return opt
 
+    def set_model(self, model):
+        # Keras sets the model before fit builds its step; checking here keeps
+        # JAX's variables intact on error (later, fit has moved them out).
+        super().set_model(model)
+        opt, _ = unwrap(getattr(model, "optimizer", None))
+        if opt is not None and hasattr(opt, "check_model"):
+            opt.check_model(model, refresh_source="step")
+
     def on_train_begin(self, logs=None):
         self._optimizer()
+        if int(getattr(self.model, "steps_per_execution", 1) or 1) > 1:
+            raise ValueError(
+                "PreconditionerRefresh needs compile(steps_per_execution=1): Keras "
+                "calls batch callbacks once per execution, so refreshes due inside "
+                'one would be skipped. Use refresh_source="step" instead.'
+            )
 
     def _next_batch(self):
         if self._pos + self.batch_size > len(self.x):

@@ -113,6 +113,10 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
         """Runs before the centre pass at the unperturbed weights, with the
         step's batch (LLQR refreshes U here). Nothing by default."""
 
+    def check_model(self, model, refresh_source=None):
+        """Raises if `model` (compiled) cannot be trained by this optimizer.
+        Runs at compile time, before any JAX state leaves the variables."""
+
     def build_state(self, var_list):
         """Creates the optimizer's own variables (none by default)."""
 

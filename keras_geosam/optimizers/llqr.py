@@ -29,7 +29,7 @@ class LearnedPreconditioner:
             both SAM passes (the reference draws a separate fresh batch of
             128); ``"callback"``: U is refreshed only by
             ``kg.callbacks.PreconditionerRefresh(x, y)`` from a dataset you
-            pass, and takes effect from the next step.
+            pass, before the step that is due.
         refresh_steps, inner_learning_rate, inner_momentum, clip_norm: the
             inner heavy-ball optimisation of J(U) (reference 50, 1e-3, 0.9,
             5.0).
@@ -88,6 +88,16 @@ class LearnedPreconditioner:
                 init = keras.initializers.Identity() if init == "identity" else init
                 self._u.append(self.add_variable(shape, initializer=init, name=f"U{i}_{name}"))
         self.refreshes = self.add_variable((), initializer="zeros", dtype="int64", name="refreshes")
+
+    def check_model(self, model, refresh_source=None):
+        # Only a refresh needs the Fisher: U fixed by hand (no refresh) works
+        # with any loss.
+        if (refresh_source or self.refresh_source) != "step":
+            return
+        if self.divergence == "ngd" and getattr(model, "loss", None) is not None:
+            from keras_geosam.curvature.losses import resolve_loss
+
+            require_classifier(resolve_loss(model), f'{type(self).__name__} with divergence="ngd"')
 
     # ------------------------------------------------------ products ----
     def precondition(self, vectors):

@@ -23,7 +23,8 @@ class LLQRSAM(LearnedPreconditioner, TwoPassOptimizer):
         v     = g_c - sigma * m        (ascent="fsam"; m: EMA of previous g_c)
         w     = U v
         eps   = rho * w / sqrt(w.w + 1e-12)        (norm="euclidean", default)
-        eps   = rho * w / sqrt(v.w + 1e-12)        (norm="metric")
+        eps   = rho * w / sqrt(v.w + 1e-12)        (norm="metric"; the step is
+                                                skipped if v.U v is not positive)
         eps   = 0                      while t < sam_start_step
         g_p   = grad L_B(theta_t + eps)
         theta <- base_optimizer(theta_t, U g_p + coupled_weight_decay * theta_t)

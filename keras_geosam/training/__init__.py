@@ -30,6 +30,7 @@ def _prepare(model):
                 "keras.distribution the gradient of the sharded batch is "
                 'already global. Use perturbation="global".'
             )
+    opt.check_model(model)
     opt._owned_by_step = True
     # A built subclassed model (keras-hub, keras-cv) locks its state; metrics
     # are no weights, so adding the trackers is safe.

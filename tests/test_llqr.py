@@ -1,0 +1,558 @@
+"""LLQR and LLQR+SAM in training (shared/spec/llqr-sam.md, sections 1-2).
+
+Every step runs through ``model.fit`` on a tiny float32 classifier whose
+weights come from a seeded NumPy generator; the reference is a float64 NumPy
+implementation of the spec's step (hand-written forward/backward pass from
+``training_worker``, U applied per block: ``d * G``, ``A G B^T``,
+``QA (s * (QA^T G QG)) QG^T``), never keras_geosam itself. The refresh's
+numerics are checked against explicit matrices in ``test_preconditioner.py``
+and across backends here.
+
+Tolerance for float32 training against the float64 reference: rtol 1e-5,
+atol 1e-6 (as in ``test_optimizers.py``); every such comparison also checks
+that the wrong variant (identity U, SAM ascent instead of F-SAM, euclidean
+instead of metric norm, decay preconditioned) is at least 100x further away.
+
+The jitted step is not retraced by refreshes: ``train_step`` runs only while
+JAX/TensorFlow trace it, so a counter in it counts traces (one per fit).
+On torch there is no tracing (Keras runs the step eagerly), so the counter
+counts steps and the check is only that nothing else calls it.
+
+The last two tests state behaviour the package does not have yet (found
+while writing these tests): a clear error for divergence="ngd" on a
+non-classifier loss that leaves a JAX model intact, and the
+PreconditionerRefresh callback under steps_per_execution > 1.
+"""
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_geosam as kg
+import training_worker as ref
+
+BACKEND = keras.backend.backend()
+HERE = os.path.dirname(os.path.abspath(__file__))
+RTOL, ATOL = 1e-5, 1e-6
+TEETH = 100 * ATOL  # the wrong variant must be at least this far
+
+MLP = [("dense", 4), ("act", "sigmoid"), ("dense", 3)]
+D_IN, K = 3, 3
+
+
+def sce():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def sgd(lr=0.1, momentum=0.9):
+    return keras.optimizers.SGD(lr, momentum=momentum)
+
+
+def to_np(t):
+    return np.asarray(ops.convert_to_numpy(t), np.float64)
+
+
+def assert_close(actual, expected, rtol=RTOL, atol=ATOL):
+    assert len(actual) == len(expected)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=f"tensor {i}")
+
+
+def max_abs_diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(p) - np.asarray(q)))) for p, q in zip(a, b))
+
+
+class Counting(kg.Sequential):
+    """Counts calls of train_step: traces on JAX/TF, steps on torch."""
+
+    calls = 0
+
+    def train_step(self, *args):
+        self.calls += 1
+        return super().train_step(*args)
+
+
+class Recorder(keras.callbacks.Callback):
+    """Weights, U and the refresh counter after every step (``self.model``
+    syncs the JAX state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights, self.u, self.refreshes = [], [], []
+
+    def on_train_batch_end(self, batch, logs=None):
+        model = self.model
+        self.weights.append([to_np(v.value) for v in model.trainable_variables])
+        self.u.append([to_np(v.value) for v in model.optimizer._u])
+        self.refreshes.append(int(to_np(model.optimizer.refreshes)))
+
+
+def build(optimizer, seed=3, cls=None):
+    model = ref.build_keras(MLP, D_IN, kg_cls=cls)
+    init = ref.set_weights(model, seed)
+    model.compile(optimizer=optimizer, loss=sce())
+    return model, [p.astype(np.float64) for p in init]
+
+
+def fit(model, x, y, batch_size, **kwargs):
+    return model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0, **kwargs)
+
+
+def batches_of(x, y, batch_size):
+    return [(x[i:i + batch_size], y[i:i + batch_size]) for i in range(0, len(x), batch_size)]
+
+
+# ====================================================== NumPy reference ==
+def u_groups(opt):
+    """U's factors per trainable tensor, by parameter name: [{"d": ...}, {"A":, "B":}, ...]."""
+    groups = {}
+    for v in opt._u:
+        head, name = v.name.split("_", 1)
+        groups.setdefault(int(head[1:]), {})[name] = to_np(v.value)
+    return [groups[i] for i in sorted(groups)]
+
+
+def apply_u(groups, vecs):
+    out = []
+    for grp, g in zip(groups, vecs):
+        if "d" in grp:
+            out.append(grp["d"] * g)
+        elif "A" in grp:
+            A, B = grp["A"], grp["B"]
+            out.append((A @ g.reshape(A.shape[0], -1) @ B.T).reshape(g.shape))
+        else:
+            QA, QG, s = grp["QA"], grp["QG"], grp["s"]
+            X = g.reshape(QA.shape[0], -1)
+            out.append((QA @ (s * (QA.T @ X @ QG)) @ QG.T).reshape(g.shape))
+    return out
+
+
+def grad(params, x, y):
+    return ref.loss_and_grad(MLP, params, x, y)[1]
+
+
+def dot(a, b):
+    return sum(float(np.sum(p * q)) for p, q in zip(a, b))
+
+
+def llqrsam_reference(params, batches, groups, lr, momentum, rho, norm="euclidean", ascent="sam",
+                      sigma=1.0, ema=0.9, wd=0.0, two_pass=True, return_average=False):
+    """The spec's LLQR(+SAM) step with a frozen U, then Keras SGD:
+    v <- mu v - lr d, theta <- theta + v, with d = U g_p + wd * theta.
+    F-SAM's average m of previous centre gradients is updated after use."""
+    params = [p.copy() for p in params]
+    vel = [np.zeros_like(p) for p in params]
+    avg = [np.zeros_like(p) for p in params]
+    for x, y in batches:
+        g_c = grad(params, x, y)
+        if two_pass:
+            v = [g - sigma * m for g, m in zip(g_c, avg)] if ascent == "fsam" else g_c
+            w = apply_u(groups, v)
+            den = np.sqrt((dot(w, w) if norm == "euclidean" else dot(v, w)) + 1e-12)
+            eps = [rho * t / den for t in w]
+            g_p = grad([p + e for p, e in zip(params, eps)], x, y)
+            avg = [ema * m + (1 - ema) * g for m, g in zip(avg, g_c)]
+        else:
+            g_p = g_c
+        d = [u + wd * p for u, p in zip(apply_u(groups, g_p), params)]
+        vel = [momentum * b - lr * t for b, t in zip(vel, d)]
+        params = [p + b for p, b in zip(params, vel)]
+    return (params, avg) if return_average else params
+
+
+def random_u(opt, rng):
+    """Assigns known non-identity values to every U factor."""
+    for v in opt._u:
+        name = v.name.split("_", 1)[1]
+        shape = tuple(v.shape)
+        if name in ("d", "s"):
+            value = rng.uniform(0.3, 2.5, size=shape)
+        elif name in ("QA", "QG"):
+            value = np.linalg.qr(rng.normal(size=shape))[0]  # an eigenbasis
+        else:  # A, B: generic, not symmetric
+            value = np.eye(shape[0]) + 0.4 * rng.normal(size=shape)
+        v.assign(value.astype("float32"))
+
+
+# ============================================ one LLQR+SAM step vs NumPy ==
+STEP_CASES = {
+    # structure, norm, ascent
+    "diagonal-euclidean-sam": ("diagonal", "euclidean", "sam"),
+    "diagonal-metric-fsam": ("diagonal", "metric", "fsam"),
+    "kfac-euclidean-fsam": ("kfac", "euclidean", "fsam"),
+    "ekfac-metric-sam": ("ekfac", "metric", "sam"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(STEP_CASES))
+def test_llqrsam_steps_match_numpy_reference(case):
+    """Two steps (two batches, SGD momentum) with U fixed at known
+    non-identity values (refresh_source="callback", no callback)."""
+    structure, norm, ascent = STEP_CASES[case]
+    hp = dict(rho=0.4, norm=norm, ascent=ascent, fsam_sigma=1.0, fsam_momentum=0.6)
+    x, y = ref.make_data(41, 16, D_IN, K)
+    opt = kg.optimizers.LLQRSAM(sgd(0.1), structure=structure, refresh_source="callback", **hp)
+    model, init = build(opt)
+    random_u(opt, np.random.default_rng(42))
+    groups = u_groups(opt)
+    assert [("d" in g) for g in groups] == [structure == "diagonal", True, structure == "diagonal", True]
+    fit(model, x, y, 8)
+    assert int(to_np(opt.refreshes)) == 0
+    got = ref.weights_of(model)
+    batches = batches_of(x, y, 8)
+    kw = dict(lr=0.1, momentum=0.9, rho=0.4, sigma=1.0, ema=0.6)
+    expected = llqrsam_reference(init, batches, groups, norm=norm, ascent=ascent, **kw)
+    assert_close(got, expected)
+    # U is frozen between refreshes.
+    assert_close([to_np(v.value) for v in opt._u], [v for g in groups for v in g.values()], rtol=0, atol=0)
+    # Teeth: U, the norm and the ascent each matter at these values.
+    identity = [{k: (np.ones_like(v) if k in ("d", "s") else np.eye(v.shape[0])) for k, v in g.items()}
+                for g in groups]
+    others = {
+        "identity U (SAM)": llqrsam_reference(init, batches, identity, norm=norm, ascent=ascent, **kw),
+        "other norm": llqrsam_reference(init, batches, groups, ascent=ascent, **kw,
+                                        norm="metric" if norm == "euclidean" else "euclidean"),
+    }
+    if ascent == "fsam":
+        others["sam ascent"] = llqrsam_reference(init, batches, groups, norm=norm, ascent="sam", **kw)
+        # ... and the optimizer's F-SAM average is the EMA of both centre gradients.
+        _, avg = llqrsam_reference(init, batches, groups, norm=norm, ascent=ascent, return_average=True, **kw)
+        assert_close([to_np(m.value) for m in opt._average], avg)
+    for name, other in others.items():
+        assert max_abs_diff(expected, other) > TEETH, name
+
+
+# =========================================================== reductions ==
+_RUNS = {}
+
+
+def llqr_run(kind):
+    """Six steps, refresh inside the step every 3 (at steps 0 and 3), batch 2.
+    Cached: several tests read the same run."""
+    if kind not in _RUNS:
+        x, y = ref.make_data(43, 12, D_IN, K)
+        common = dict(refresh_every=3, refresh_steps=5, inner_learning_rate=0.05, beta=0.5)
+        if kind == "llqr":
+            opt = kg.optimizers.LLQR(keras.optimizers.SGD(0.2), **common)
+        else:
+            opt = kg.optimizers.LLQRSAM(keras.optimizers.SGD(0.2), rho=0.0, **common)
+        model, init = build(opt, cls=Counting)
+        rec = Recorder()
+        fit(model, x, y, 2, callbacks=[rec])
+        _RUNS[kind] = dict(model=model, opt=opt, init=init, rec=rec, calls=model.calls,
+                           batches=batches_of(x, y, 2))
+    return _RUNS[kind]
+
+
+def test_refresh_schedule_in_step_and_no_retrace():
+    """Refreshes at steps 0 and 3 (refresh_every=3), before the step's
+    gradient: each step is theta - lr U_t g with U_t the U recorded after
+    step t; U is frozen in between; the step is traced once."""
+    run = llqr_run("llqr")
+    rec = run["rec"]
+    assert rec.refreshes == [1, 1, 1, 2, 2, 2]
+    prev = [np.ones_like(u) for u in rec.u[0]]  # diagonal U starts at ones
+    for t in range(6):
+        changed = max_abs_diff(rec.u[t], prev) > 1e-4
+        assert changed == (t in (0, 3)), (t, max_abs_diff(rec.u[t], prev))
+        prev = rec.u[t]
+    weights = [run["init"]] + rec.weights
+    for t, (x, y) in enumerate(run["batches"]):
+        groups = [{"d": d} for d in rec.u[t]]
+        expected = llqrsam_reference(weights[t], [(x, y)], groups, lr=0.2, momentum=0.0, rho=0.0, two_pass=False)
+        assert_close(rec.weights[t], expected)
+    if BACKEND in ("jax", "tensorflow"):
+        assert run["calls"] == 1, f"train_step traced {run['calls']} times in one fit"
+    else:  # torch: eager, one call per step and nothing else
+        assert run["calls"] == 6
+
+
+def test_llqrsam_with_rho_zero_is_llqr():
+    """Same weights, same U and same refresh schedule after six steps."""
+    a, b = llqr_run("llqr"), llqr_run("llqrsam_rho0")
+    assert b["rec"].refreshes == a["rec"].refreshes
+    for t in range(6):
+        assert_close(b["rec"].u[t], a["rec"].u[t], rtol=1e-6, atol=1e-7)
+        assert_close(b["rec"].weights[t], a["rec"].weights[t], rtol=1e-6, atol=1e-7)
+    assert max_abs_diff(a["rec"].weights[-1], a["init"]) > 1e-2  # it trained
+
+
+def test_llqrsam_without_refresh_is_sam():
+    """refresh_source="callback" and no callback: U stays identity, and
+    LLQR+SAM is kg.optimizers.SAM with the same rho and base."""
+    x, y = ref.make_data(44, 16, D_IN, K)
+    llqr, init = build(kg.optimizers.LLQRSAM(sgd(), rho=0.3, refresh_source="callback"))
+    sam, init2 = build(kg.optimizers.SAM(sgd(), rho=0.3))
+    fit(llqr, x, y, 4)
+    fit(sam, x, y, 4)
+    assert_close(init, init2, rtol=0, atol=0)
+    assert all(np.all(to_np(u.value) == 1.0) for u in llqr.optimizer._u)
+    assert_close(ref.weights_of(llqr), ref.weights_of(sam), rtol=1e-6, atol=1e-7)
+    plain = llqrsam_reference(init, batches_of(x, y, 4), [{"d": np.ones_like(p)} for p in init],
+                              lr=0.1, momentum=0.9, rho=0.0, two_pass=False)
+    assert max_abs_diff(ref.weights_of(sam), plain) > TEETH  # SAM differs from its base here
+
+
+FIXED_U_CASES = {"identity-no-decay": ("identity", 0.0), "identity-decay": ("identity", 0.3),
+                 "random-decay": ("random", 0.3)}
+
+
+@pytest.mark.parametrize("case", sorted(FIXED_U_CASES))
+def test_llqr_with_fixed_u_is_the_base_on_u_g_plus_decay(case):
+    """LLQR with U frozen (refresh_source="callback", no callback): the base
+    SGD-momentum steps on U g + wd * theta, coupled decay added after U and
+    never preconditioned (NumPy). With U = identity and wd = 0 this is the
+    base optimizer itself (also checked against a plain keras.Sequential)."""
+    u, wd = FIXED_U_CASES[case]
+    x, y = ref.make_data(45, 16, D_IN, K)
+    model, init = build(kg.optimizers.LLQR(sgd(), refresh_source="callback", coupled_weight_decay=wd))
+    if u == "random":
+        random_u(model.optimizer, np.random.default_rng(46))
+    groups = u_groups(model.optimizer)
+    fit(model, x, y, 4)
+    got = ref.weights_of(model)
+    batches = batches_of(x, y, 4)
+    expected = llqrsam_reference(init, batches, groups, lr=0.1, momentum=0.9, rho=0.0, wd=wd, two_pass=False)
+    assert_close(got, expected)
+    if wd == 0.0:
+        base, init2 = build(sgd(), cls=keras.Sequential)
+        fit(base, x, y, 4)
+        assert_close(init, init2, rtol=0, atol=0)
+        assert_close(got, ref.weights_of(base), rtol=1e-6, atol=1e-7)
+        return
+    # Teeth: no decay, or (with U != I) decay inside U, is another trajectory.
+    no_decay = llqrsam_reference(init, batches, groups, lr=0.1, momentum=0.9, rho=0.0, two_pass=False)
+    assert max_abs_diff(expected, no_decay) > TEETH
+    if u == "random":
+        params = [p.copy() for p in init]
+        vel = [np.zeros_like(p) for p in params]
+        for xb, yb in batches:
+            d = apply_u(groups, [g + wd * p for g, p in zip(grad(params, xb, yb), params)])
+            vel = [0.9 * b - 0.1 * t for b, t in zip(vel, d)]
+            params = [p + b for p, b in zip(params, vel)]
+        assert max_abs_diff(expected, params) > TEETH
+
+
+def test_llqrsam_refreshes_at_the_unperturbed_weights():
+    """With rho > 0, the step-0 refresh sees theta_0 (before the ascent):
+    its U equals LLQR's step-0 U on the same batch, while the weights differ."""
+    a = llqr_run("llqr")
+    x, y = a["batches"][0]
+    opt = kg.optimizers.LLQRSAM(keras.optimizers.SGD(0.2), rho=0.5, refresh_every=3, refresh_steps=5,
+                                inner_learning_rate=0.05, beta=0.5)
+    model, init = build(opt)
+    assert_close(init, a["init"], rtol=0, atol=0)
+    fit(model, x, y, 2)
+    assert int(to_np(opt.refreshes)) == 1
+    assert_close([to_np(u.value) for u in opt._u], a["rec"].u[0], rtol=1e-6, atol=1e-7)
+    assert max_abs_diff(ref.weights_of(model), a["rec"].weights[0]) > TEETH
+
+
+# ============================================ PreconditionerRefresh ==
+def test_callback_refreshes_at_the_right_steps_without_retracing():
+    """refresh_source="callback", refresh_every=2, five steps: refreshes
+    before steps 0, 2 and 4 on the callback's own batches. The refreshed U
+    is the one step t uses (on every backend), U is frozen in between, and
+    writing U from the callback does not retrace the compiled step."""
+    x, y = ref.make_data(47, 10, D_IN, K)
+    xp, yp = ref.make_data(48, 24, D_IN, K)
+    opt = kg.optimizers.LLQR(keras.optimizers.SGD(0.2), refresh_source="callback", refresh_every=2,
+                             refresh_steps=5, inner_learning_rate=0.05, beta=0.5)
+    model, init = build(opt, cls=Counting)
+    cb, rec = kg.callbacks.PreconditionerRefresh(xp, yp, batch_size=8, seed=1), Recorder()
+    fit(model, x, y, 2, callbacks=[cb, rec])
+    assert cb.num_refreshes == 3
+    assert rec.refreshes == [1, 1, 2, 2, 3]
+    prev = [np.ones_like(u) for u in rec.u[0]]
+    for t in range(5):
+        changed = max_abs_diff(rec.u[t], prev) > 1e-4
+        assert changed == (t in (0, 2, 4)), (t, max_abs_diff(rec.u[t], prev))
+        prev = rec.u[t]
+    weights = [init] + rec.weights
+    for t, (xb, yb) in enumerate(batches_of(x, y, 2)):
+        groups = [{"d": d} for d in rec.u[t]]
+        expected = llqrsam_reference(weights[t], [(xb, yb)], groups, lr=0.2, momentum=0.0, rho=0.0,
+                                     two_pass=False)
+        assert_close(rec.weights[t], expected)
+    if BACKEND in ("jax", "tensorflow"):
+        assert model.calls == 1, f"train_step traced {model.calls} times"
+    else:
+        assert model.calls == 5
+
+
+def test_callback_refuses_step_source_and_other_optimizers():
+    x, y = ref.make_data(49, 8, D_IN, K)
+    for opt, match in [
+        (kg.optimizers.LLQRSAM(sgd(), refresh_source="step"), 'refresh_source="callback"'),
+        (kg.optimizers.SAM(sgd(), rho=0.1), "LLQR"),
+    ]:
+        model, init = build(opt)
+        with pytest.raises(ValueError, match=match):
+            fit(model, x, y, 4, callbacks=[kg.callbacks.PreconditionerRefresh(x, y)])
+        # Raised before any step: the model is intact and untouched.
+        assert_close(ref.weights_of(model), init, rtol=0, atol=0)
+
+
+# ============================================================ save/load ==
+def test_save_load_between_refreshes_equals_uninterrupted(tmp_path):
+    """K-FAC U refreshed in the step every 3 steps, F-SAM ascent: save after
+    4 steps (refreshes at 0 and 3, next at 6), load, run 4 more; the U
+    factors, the F-SAM average, the momentum and the schedule are restored
+    and the result equals 8 uninterrupted steps."""
+    x, y = ref.make_data(50, 16, D_IN, K)
+
+    def make():
+        opt = kg.optimizers.LLQRSAM(sgd(0.05), rho=0.3, structure="kfac", ascent="fsam", refresh_every=3,
+                                    refresh_steps=5, inner_learning_rate=0.05, beta=0.5)
+        return build(opt, seed=51)[0]
+
+    full = make()
+    fit(full, x, y, 2)
+    first = make()
+    fit(first, x[:8], y[:8], 2)
+    assert int(to_np(first.optimizer.refreshes)) == 2
+    path = str(tmp_path / "llqr.keras")
+    first.save(path)
+    loaded = keras.saving.load_model(path)
+    assert isinstance(getattr(loaded, "optimizer", None), kg.optimizers.LLQRSAM), (
+        "load_model returned a model without its LLQRSAM optimizer: U, the F-SAM average "
+        "and the refresh schedule were not restored")
+    opt, old = loaded.optimizer, first.optimizer
+    assert opt.get_config() == old.get_config()
+    assert int(to_np(opt.iterations)) == 4 and int(to_np(opt.refreshes)) == 2
+    assert len(opt.variables) == len(old.variables)
+    for a, b in zip(opt.variables, old.variables):
+        np.testing.assert_array_equal(to_np(a.value), to_np(b.value), err_msg=a.path)
+    assert max_abs_diff([to_np(u.value) for u in opt._u],
+                        [np.eye(u.shape[0]) if len(u.shape) == 2 else np.ones(u.shape) for u in opt._u]) > 1e-3
+    assert max(np.abs(to_np(m.value)).max() for m in opt._average) > 1e-3
+    fit(loaded, x[8:], y[8:], 2)
+    assert int(to_np(opt.refreshes)) == int(to_np(full.optimizer.refreshes)) == 3
+    assert_close([to_np(u.value) for u in opt._u], [to_np(u.value) for u in full.optimizer._u],
+                 rtol=1e-6, atol=1e-7)
+    assert_close([to_np(m.value) for m in opt._average], [to_np(m.value) for m in full.optimizer._average],
+                 rtol=1e-6, atol=1e-7)
+    assert_close(ref.weights_of(loaded), ref.weights_of(full), rtol=1e-6, atol=1e-7)
+
+
+# ========================================================== validation ==
+def _bad():
+    s = sgd()
+    return {
+        "structure": lambda: kg.optimizers.LLQR(s, structure="full"),
+        "structure_sam": lambda: kg.optimizers.LLQRSAM(s, structure="shampoo"),
+        "divergence": lambda: kg.optimizers.LLQR(s, divergence="kl"),
+        "divergence_sam": lambda: kg.optimizers.LLQRSAM(s, divergence="gauss"),
+        "norm": lambda: kg.optimizers.LLQRSAM(s, norm="l1"),
+        "ascent": lambda: kg.optimizers.LLQRSAM(s, ascent="asam"),
+        "refresh_every": lambda: kg.optimizers.LLQR(s, refresh_every=0),
+        "refresh_every_sam": lambda: kg.optimizers.LLQRSAM(s, refresh_every=0),
+        "refresh_every_float": lambda: kg.optimizers.LLQR(s, refresh_every=2.5),
+        "refresh_every_negative": lambda: kg.optimizers.LLQRSAM(s, refresh_every=-5),
+        "rho": lambda: kg.optimizers.LLQRSAM(s, rho=-0.1),
+        "rho_nan": lambda: kg.optimizers.LLQRSAM(s, rho=float("nan")),
+        "refresh_source": lambda: kg.optimizers.LLQR(s, refresh_source="epoch"),
+        "refresh_steps": lambda: kg.optimizers.LLQRSAM(s, refresh_steps=0),
+        "beta": lambda: kg.optimizers.LLQR(s, beta=1.5),
+        "inner_momentum": lambda: kg.optimizers.LLQR(s, inner_momentum=1.0),
+        "inner_learning_rate": lambda: kg.optimizers.LLQR(s, inner_learning_rate=0.0),
+        "clip_norm": lambda: kg.optimizers.LLQR(s, clip_norm=-1.0),
+        "coupled_weight_decay": lambda: kg.optimizers.LLQR(s, coupled_weight_decay=-1e-4),
+        "sam_start_step": lambda: kg.optimizers.LLQRSAM(s, sam_start_step=-1),
+        "unknown": lambda: kg.optimizers.LLQR(s, rho=0.1),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_bad()))
+def test_bad_hyperparameters_raise_clearly(case):
+    name = case.replace("_sam", "").replace("_float", "").replace("_negative", "").replace("_nan", "")
+    with pytest.raises(ValueError, match=name if name != "unknown" else "unexpected"):
+        _bad()[case]()
+
+
+def test_defaults_and_config_round_trip():
+    opt = kg.optimizers.LLQRSAM(sgd())
+    assert (opt.structure, opt.divergence, opt.norm, opt.ascent) == ("diagonal", "ngd", "euclidean", "sam")
+    assert opt.rho == 0.1
+    assert (opt.refresh_every, opt.refresh_steps, opt.inner_learning_rate, opt.inner_momentum) == (1000, 50, 1e-3, 0.9)
+    assert (opt.clip_norm, opt.beta, opt.min_diagonal) == (5.0, 0.95, 1e-8)
+    assert kg.optimizers.LLQR(sgd(), divergence="newton").beta == 0.90
+    cfg = kg.optimizers.LLQRSAM(sgd(), rho=0.2, structure="ekfac", norm="metric", ascent="fsam",
+                                refresh_every=7, refresh_source="callback", beta=0.3).get_config()
+    again = kg.optimizers.LLQRSAM.from_config(cfg)
+    assert again.get_config() == cfg
+
+
+# ===================================================== across backends ==
+@pytest.mark.cross_backend
+@pytest.mark.skipif(BACKEND != "jax", reason="runs once, from the JAX process")
+def test_refresh_gives_the_same_U_on_all_backends(tmp_path):
+    """Identical float32 weights (with BatchNorm) and batch: two refreshes
+    give the same U factors on jax, tensorflow and torch (1e-5 relative per
+    factor; 1e-4 on the change U - U_init, which is the part that moved)."""
+    import llqr_worker
+
+    procs = {}
+    for b in ("tensorflow", "torch"):
+        env = dict(os.environ, KERAS_BACKEND=b)
+        env.pop("JAX_ENABLE_X64", None)
+        out = str(tmp_path / f"{b}.npz")
+        procs[b] = (subprocess.Popen([sys.executable, os.path.join(HERE, "llqr_worker.py"), out], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT), out)
+    mine = llqr_worker.compute()
+    for b, (proc, out) in procs.items():
+        log = proc.communicate(timeout=300)[0].decode(errors="replace")
+        assert proc.returncode == 0, f"{b} worker failed:\n{log[-3000:]}"
+        theirs = dict(np.load(out))
+        assert sorted(theirs) == sorted(mine)
+        moved_a, moved_b = [], []
+        for key in sorted(k for k in mine if not k.startswith("init_")):
+            a, c = mine[key].astype(np.float64), theirs[key].astype(np.float64)
+            assert np.linalg.norm(a - c) <= 1e-5 * np.linalg.norm(a), (b, key)
+            init = mine["init_" + key]
+            moved_a.append((a - init).ravel())
+            moved_b.append((c - init).ravel())
+        moved_a, moved_b = np.concatenate(moved_a), np.concatenate(moved_b)
+        assert np.linalg.norm(moved_a) > 0.1  # the refreshes moved U
+        assert np.linalg.norm(moved_a - moved_b) <= 1e-4 * np.linalg.norm(moved_a), b
+
+
+# ============================================================== errors ==
+def test_ngd_on_a_non_classifier_fails_clearly_and_keeps_the_model():
+    """divergence="ngd" needs a classifier loss. The error must name the
+    problem (at compile, before fit) and leave the model intact (on JAX an
+    error raised while the step is traced leaves the variables empty)."""
+    x, y = ref.make_data(52, 8, D_IN, K)
+    model = ref.build_keras(MLP, D_IN)
+    init = ref.set_weights(model, 53)
+    with pytest.raises(ValueError, match="classifier"):
+        model.compile(optimizer=kg.optimizers.LLQR(sgd(), refresh_every=2, refresh_steps=2), loss="mse")
+        model.fit(x, np.eye(K, dtype="float32")[y], batch_size=4, verbose=0)
+    assert_close(ref.weights_of(model), [p.astype(np.float64) for p in init], rtol=0, atol=0)
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="Keras' torch trainer requires steps_per_execution=1")
+def test_callback_refresh_with_steps_per_execution_is_not_silently_skipped():
+    """With steps_per_execution=4 Keras calls on_train_batch_begin once per
+    4 steps (iterations 0, 4, 8); refreshes due at steps 3, 6 and 9 fall
+    inside executions. The callback must still refresh once per due step
+    (at the start of the execution containing it) or refuse clearly; it
+    must not drop them silently."""
+    x, y = ref.make_data(54, 24, D_IN, K)
+    opt = kg.optimizers.LLQR(keras.optimizers.SGD(0.1), refresh_source="callback", refresh_every=3,
+                             refresh_steps=2)
+    model = ref.build_keras(MLP, D_IN)
+    model.compile(optimizer=opt, loss=sce(), steps_per_execution=4)
+    cb = kg.callbacks.PreconditionerRefresh(x, y, batch_size=8)
+    try:
+        model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    except ValueError as e:
+        assert "steps_per_execution" in str(e)
+        return
+    assert int(to_np(opt.iterations)) == 12
+    assert cb.num_refreshes == 4, f"{cb.num_refreshes} refreshes for 4 due steps (0, 3, 6, 9)"
