@@ -112,7 +112,7 @@ def fit_exponent(rows, key):
 def run_backend(quick):
     import keras
 
-    widths = (64, 128, 256) if quick else (64, 128, 256, 512, 1024)
+    widths = (64, 128, 256, 512) if quick else (64, 128, 256, 512, 1024)
     repeats, refresh_repeats = (5, 1) if quick else (20, 3)
     rows = []
     for w in widths:
