@@ -1,0 +1,237 @@
+"""Tests of keras_geosam.callbacks.SharpnessLogger inside `model.fit`.
+
+The logged numbers are checked against direct calls of the sharpness
+functions at the same weights and seed (those functions are checked against
+explicit matrices in test_sharpness.py); float32 models, relative 1e-6.
+"""
+
+import csv
+import glob
+import math
+import os
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from keras.src.backend.common import global_state
+
+from keras_geosam import sharpness as ks
+from keras_geosam.callbacks import SharpnessLogger
+
+N, D, K = 32, 4, 3
+TOL = 1e-6
+
+
+@pytest.fixture(autouse=True)
+def _float32():
+    # Build in float32 whatever other modules left behind; Keras caches its
+    # dtype policy at the first layer, so set it too and restore it exactly.
+    old, old_policy = keras.config.floatx(), global_state.get_global_attribute("dtype_policy", None)
+    keras.config.set_floatx("float32")
+    keras.config.set_dtype_policy("float32")
+    yield
+    keras.config.set_floatx(old)
+    global_state.set_global_attribute("dtype_policy", old_policy)
+
+
+def _data(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(N, D)).astype("float32")
+    y = (rng.integers(0, K, size=N)).astype("int32")
+    return x, y
+
+
+def _model(lr=0.05, seed=0):
+    model = keras.Sequential(
+        [keras.Input((D,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(K)]
+    )
+    rng = np.random.default_rng(seed)
+    for v in model.trainable_variables:
+        v.assign(0.5 * rng.normal(size=v.shape))
+    model.compile(
+        optimizer=keras.optimizers.SGD(learning_rate=lr),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def _rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+KEYS = [
+    "hessian_trace",
+    "hessian_trace_stderr",
+    "riemannian_sharpness",
+    "riemannian_sharpness_stderr",
+    "riemannian_sharpness_normalized",
+]
+
+
+def test_history_keys_and_values_match_direct_calls():
+    x, y = _data()
+    model = _model()
+    logger = SharpnessLogger(x, y, metrics=("hessian_trace", "riemannian_sharpness"), num_probes=4, seed=3)
+    assert logger.keys() == KEYS
+    hist = model.fit(x, y, epochs=2, batch_size=16, verbose=0, callbacks=[logger])
+    for k in KEYS:
+        assert k in hist.history and len(hist.history[k]) == 2
+        assert all(np.isfinite(hist.history[k]))
+    # the last epoch's values were taken at the final weights
+    tr = ks.hessian_trace(model, x, y, num_probes=4, seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        sr = ks.riemannian_sharpness(model, x, y, num_probes=4, seed=3)
+    assert _rel(hist.history["hessian_trace"][-1], tr.value) < TOL
+    assert _rel(hist.history["hessian_trace_stderr"][-1], tr.stderr) < TOL
+    assert _rel(hist.history["riemannian_sharpness"][-1], sr.value) < TOL
+    assert _rel(hist.history["riemannian_sharpness_stderr"][-1], sr.stderr) < TOL
+    assert _rel(hist.history["riemannian_sharpness_normalized"][-1], sr.info["normalized"]) < TOL
+    # the weights moved, and so did the logged trace
+    assert hist.history["hessian_trace"][0] != hist.history["hessian_trace"][1]
+    assert [e for e, _ in logger.history] == [0, 1]
+
+
+def test_piecewise_linear_warning_not_raised_during_fit():
+    x, y = _data()
+    model = _model()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[SharpnessLogger(x, y, metrics="riemannian_sharpness", num_probes=2)])
+    assert not [w for w in rec if "piecewise linear" in str(w.message)]
+
+
+def test_other_metrics_and_options():
+    x, y = _data()
+    model = _model()
+    logger = SharpnessLogger(
+        x,
+        y,
+        metrics=("lambda_max", "riemannian_sharpness", "riemannian_sharpness_kfac"),
+        num_probes=3,
+        seed=1,
+        prefix="s/",
+        options={"riemannian_sharpness": {"damping": 1e-3}, "lambda_max": {"max_iter": 10}},
+    )
+    hist = model.fit(x, y, epochs=1, verbose=0, callbacks=[logger])
+    lam = ks.hessian_max_eigenvalue(model, x, y, max_iter=10, seed=1)
+    sr = ks.riemannian_sharpness(model, x, y, damping=1e-3, num_probes=3, seed=1)
+    kf = ks.riemannian_sharpness(model, x, y, metric="kfac", num_probes=3, seed=1)
+    assert _rel(hist.history["s/lambda_max"][0], lam.value) < TOL
+    assert _rel(hist.history["s/riemannian_sharpness"][0], sr.value) < TOL
+    assert _rel(hist.history["s/riemannian_sharpness_kfac"][0], kf.value) < TOL
+    assert "s/riemannian_sharpness_kfac_normalized" in hist.history
+    assert SharpnessLogger.available() == sorted(
+        ["hessian_trace", "lambda_max", "riemannian_sharpness", "riemannian_sharpness_kfac", "riemannian_sharpness_exact"]
+    )
+
+
+def test_every_n_epochs_writes_nan_on_skipped_epochs(tmp_path):
+    x, y = _data()
+    model = _model()
+    logger = SharpnessLogger(x, y, metrics="hessian_trace", every_n_epochs=2, num_probes=2)
+    path = str(tmp_path / "log.csv")
+    hist = model.fit(x, y, epochs=4, verbose=0, callbacks=[logger, keras.callbacks.CSVLogger(path)])
+    values = hist.history["hessian_trace"]
+    assert math.isnan(values[0]) and math.isnan(values[2])
+    assert np.isfinite(values[1]) and np.isfinite(values[3])
+    assert math.isnan(hist.history["hessian_trace_stderr"][0])
+    assert [e for e, _ in logger.history] == [1, 3]
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4
+    assert rows[0]["hessian_trace"].lower() == "nan"
+    assert float(rows[1]["hessian_trace"]) == pytest.approx(values[1], rel=TOL)
+
+
+def test_csv_logger_records_the_keys(tmp_path):
+    x, y = _data()
+    model = _model()
+    path = str(tmp_path / "log.csv")
+    logger = SharpnessLogger(x, y, metrics=("hessian_trace", "riemannian_sharpness"), num_probes=2)
+    hist = model.fit(x, y, epochs=2, verbose=0, callbacks=[logger, keras.callbacks.CSVLogger(path)])
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2
+    for k in KEYS:
+        assert k in rows[0]
+        for r, v in zip(rows, hist.history[k]):
+            assert float(r[k]) == pytest.approx(v, rel=TOL)
+
+
+def _read_tensorboard_scalars(logdir):
+    from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.util import tensor_util
+
+    out = {}
+    for run in sorted(glob.glob(os.path.join(logdir, "*"))):
+        acc = event_accumulator.EventAccumulator(run, size_guidance={"tensors": 0, "scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags().get("tensors", []):
+            if tag.startswith("epoch_"):  # (the model's config is a text summary)
+                out[tag] = [float(tensor_util.make_ndarray(e.tensor_proto)) for e in acc.Tensors(tag)]
+        for tag in acc.Tags().get("scalars", []):
+            if tag.startswith("epoch_"):
+                out[tag] = [e.value for e in acc.Scalars(tag)]
+    return out
+
+
+def test_tensorboard_writes_the_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    x, y = _data()
+    model = _model()
+    logdir = str(tmp_path / "tb")
+    logger = SharpnessLogger(x, y, metrics=("hessian_trace", "riemannian_sharpness"), num_probes=2)
+    hist = model.fit(x, y, epochs=2, verbose=0, callbacks=[logger, keras.callbacks.TensorBoard(logdir)])
+    events = glob.glob(os.path.join(logdir, "**", "events.out.tfevents.*"), recursive=True)
+    assert events and all(os.path.getsize(e) > 0 for e in events)
+    scalars = _read_tensorboard_scalars(logdir)
+    for k in KEYS:
+        assert f"epoch_{k}" in scalars, sorted(scalars)
+        np.testing.assert_allclose(scalars[f"epoch_{k}"], hist.history[k], rtol=TOL)
+
+
+def test_fixed_seed_gives_identical_values_when_weights_do_not_change():
+    x, y = _data()
+    model = _model(lr=0.0)
+    logger = SharpnessLogger(x, y, metrics=("hessian_trace", "riemannian_sharpness"), num_probes=2, seed=7)
+    hist = model.fit(x, y, epochs=2, batch_size=8, verbose=0, callbacks=[logger])
+    for k in KEYS:
+        v = hist.history[k]
+        assert v[0] == v[1], (k, v)
+    # and a second logger with the same seed on the same weights agrees
+    again = SharpnessLogger(x, y, metrics=("hessian_trace", "riemannian_sharpness"), num_probes=2, seed=7)
+    again.set_model(model)
+    values = again.compute()
+    for k in KEYS:
+        assert values[k] == pytest.approx(hist.history[k][-1], rel=TOL)
+    other = SharpnessLogger(x, y, metrics="hessian_trace", num_probes=2, seed=8)
+    other.set_model(model)
+    assert other.compute()["hessian_trace"] != hist.history["hessian_trace"][-1]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"metrics": ("hessian_trace", "sharpness")}, "Unknown sharpness metric"),
+        ({"metrics": "trace"}, "Unknown sharpness metric"),
+        ({"metrics": ()}, "at least one"),
+        ({"every_n_epochs": 0}, "every_n_epochs"),
+        ({"every_n_epochs": -2}, "every_n_epochs"),
+        ({"every_n_epochs": 1.5}, "every_n_epochs"),
+        ({"num_probes": 0}, "num_probes"),
+        ({"options": {"lambda_maxx": {}}}, "options"),
+    ],
+)
+def test_invalid_arguments_raise(kwargs, match):
+    x, y = _data()
+    with pytest.raises(ValueError, match=match):
+        SharpnessLogger(x, y, **kwargs)
+
+
+def test_logs_none_is_tolerated():
+    x, y = _data()
+    logger = SharpnessLogger(x, y, metrics="hessian_trace", num_probes=2)
+    logger.set_model(_model())
+    logger.on_epoch_end(0, None)  # nothing to write into, nothing raised
