@@ -13,21 +13,6 @@ import numpy as np
 
 _WEIGHTED = (keras.layers.Dense, keras.layers.Conv1D, keras.layers.Conv2D)
 _HOMOGENEOUS = {"relu", "leaky_relu", "linear"}
-_PASS_THROUGH = (
-    keras.layers.Dropout,
-    keras.layers.MaxPooling1D,
-    keras.layers.MaxPooling2D,
-    keras.layers.AveragePooling1D,
-    keras.layers.AveragePooling2D,
-    keras.layers.GlobalAveragePooling1D,
-    keras.layers.GlobalAveragePooling2D,
-    keras.layers.GlobalMaxPooling1D,
-    keras.layers.GlobalMaxPooling2D,
-    keras.layers.ReLU,
-    keras.layers.LeakyReLU,
-)
-
-
 _POOLING = (
     keras.layers.MaxPooling1D,
     keras.layers.MaxPooling2D,
@@ -38,6 +23,7 @@ _POOLING = (
     keras.layers.GlobalMaxPooling1D,
     keras.layers.GlobalMaxPooling2D,
 )
+_PASS_THROUGH = (keras.layers.Dropout, keras.layers.ReLU, keras.layers.LeakyReLU) + _POOLING
 
 
 def _activation_name(fn):
