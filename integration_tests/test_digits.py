@@ -31,6 +31,11 @@ OPTIMIZERS = {
     "asam": lambda steps: kg.optimizers.SAM(_base(steps), rho=0.5, adaptive=True),
     "fsam": lambda steps: kg.optimizers.FSAM(_base(steps), rho=0.05),
     "fishersam": lambda steps: kg.optimizers.FisherSAM(_base(steps), rho=0.05),
+    # 42 steps per epoch: refresh every 100 steps gives 4 refreshes in 8 epochs.
+    "llqr": lambda steps: kg.optimizers.LLQR(_base(steps), refresh_every=100),
+    "llqr_kfac": lambda steps: kg.optimizers.LLQR(_base(steps), structure="kfac", refresh_every=100),
+    "llqrsam": lambda steps: kg.optimizers.LLQRSAM(_base(steps), rho=0.1, refresh_every=100),
+    "llqrsam_kfac": lambda steps: kg.optimizers.LLQRSAM(_base(steps), rho=0.1, structure="kfac", refresh_every=100),
 }
 
 
@@ -62,3 +67,6 @@ def test_digits_accuracy(name, digits, mlp, report):
     assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == steps
     assert all(np.all(np.isfinite(keras.ops.convert_to_numpy(w))) for w in model.trainable_weights)
     assert acc >= THRESHOLD, f"{name}: test accuracy {acc:.4f} < {THRESHOLD}"
+    if name.startswith("llqr"):
+        refreshes = int(keras.ops.convert_to_numpy(model.optimizer.refreshes))
+        assert refreshes == math.ceil(steps / 100), refreshes
