@@ -21,25 +21,7 @@ import training_worker as ref
 
 BACKEND = keras.backend.backend()
 HERE = os.path.dirname(os.path.abspath(__file__))
-RTOL = 1e-5
-ATOL = 1e-6
-
-MLP = [("dense", 5), ("act", "tanh"), ("dense", 3)]
-BN_NET = [("dense", 5), ("bn", 1e-3), ("act", "sigmoid"), ("dense", 3)]
-
-
-def sce():
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def assert_weights_close(actual, expected, rtol=RTOL, atol=ATOL):
-    assert len(actual) == len(expected)
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=f"weight {i}")
-
-
-def max_abs_diff(a, b):
-    return max(float(np.max(np.abs(np.asarray(p) - np.asarray(q)))) for p, q in zip(a, b))
+from training_worker import ATOL, BN_NET, MLP, RTOL, assert_weights_close, max_abs_diff, sce  # noqa: E402,F401
 
 
 def to_np(v):

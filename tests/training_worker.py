@@ -300,6 +300,31 @@ def data_parallel_results():
     return {"single": single, "multi": multi}
 
 
+
+# ---- helpers shared by test_optimizers.py and test_training.py ----------
+RTOL = 1e-5  # float32 training vs float64 reference
+ATOL = 1e-6
+
+MLP = [("dense", 5), ("act", "tanh"), ("dense", 3)]
+BN_NET = [("dense", 5), ("bn", 1e-3), ("act", "sigmoid"), ("dense", 3)]
+
+
+def sce():
+    import keras
+
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def assert_weights_close(actual, expected, rtol=RTOL, atol=ATOL):
+    assert len(actual) == len(expected)
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=f"weight {i}")
+
+
+def max_abs_diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
+
+
 if __name__ == "__main__":
     mode, path = sys.argv[1], sys.argv[2]
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
