@@ -208,3 +208,63 @@ class Reference:
     def nll_gradients(self, x, labels):
         """(M, P) gradients of -log p(labels_m | x_m) for integer labels."""
         return self.per_example_gradients(x=jnp.asarray(to_numpy(x)), y=np.asarray(labels))
+
+
+# ------------------------------------------------ counter-based probes ----
+# An independent NumPy (uint32) implementation of the probe hash of
+# keras_geosam/curvature/probes.py: murmur3's 32-bit finaliser applied to
+# (seed, stream) -> key, (key, row) -> r, (r, column) -> bits.
+STREAMS = {"hutchinson": 1, "lanczos": 2, "sketch": 3, "labels": 4}
+
+
+def fmix32(h):
+    h = np.asarray(h, dtype=np.uint32).copy()
+    with np.errstate(over="ignore"):
+        h ^= h >> np.uint32(16)
+        h *= np.uint32(0x85EBCA6B)
+        h ^= h >> np.uint32(13)
+        h *= np.uint32(0xC2B2AE35)
+        h ^= h >> np.uint32(16)
+    return h
+
+
+def hash_bits(seed, stream, rows, cols):
+    """(len(rows), len(cols)) int32 words."""
+    golden = np.uint32(0x9E3779B1)
+    with np.errstate(over="ignore"):
+        key = fmix32(fmix32(np.uint32(int(seed) % (1 << 32))) ^ np.uint32(STREAMS[stream] * 0x27D4EB2F % (1 << 32)))
+        r = fmix32(key + np.asarray(rows, np.uint32) * golden)
+        a = fmix32((np.asarray(cols, np.uint32)[None, :] * golden) ^ r[:, None])
+        return fmix32(a + r[:, None]).view(np.int32)
+
+
+def hash_rademacher(seed, start, count, shapes, stream="hutchinson"):
+    """Probes start..start+count-1 as a list of (count,) + shape float64 arrays."""
+    rows = np.arange(start, start + count)
+    out, offset = [], 0
+    for shape in shapes:
+        size = int(np.prod(shape, dtype=np.int64))
+        h = hash_bits(seed, stream, rows, np.arange(offset, offset + size))
+        out.append(np.where(h < 0, -1.0, 1.0).reshape((count,) + tuple(shape)))
+        offset += size
+    return out
+
+
+def hash_probes(seed, shapes, num, stream="hutchinson"):
+    """The same probes as a list (one per probe) of lists of arrays."""
+    block = hash_rademacher(seed, 0, num, shapes, stream)
+    return [[b[i] for b in block] for i in range(num)]
+
+
+def hash_uniform(seed, rows, cols, stream="labels"):
+    h = hash_bits(seed, stream, rows, cols).view(np.uint32)
+    return (h >> np.uint32(8)).astype(np.float64) * 2.0**-24
+
+
+def hash_labels(probs, num_samples, seed):
+    """(num_samples, N) labels drawn from `probs` (N, K) by inverse CDF of
+    the "labels" stream: u(example n, draw s) > cdf counts."""
+    u = hash_uniform(seed, np.arange(probs.shape[0]), np.arange(num_samples))
+    cdf = np.cumsum(probs, axis=-1)
+    labels = (u[:, :, None] > cdf[:, None, :]).sum(-1)
+    return np.minimum(labels, probs.shape[-1] - 1).T

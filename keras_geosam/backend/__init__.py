@@ -11,6 +11,11 @@ a list of backend tensors:
 - ``jvp(f, params, tangents, *args)`` -> ``(f(params), J tangents)``
 - ``vjp(f, params, cotangent, *args)`` -> ``J^T cotangent`` (list)
 - ``hvp(f, params, vectors, *args)`` -> Hessian of scalar ``f`` times ``vectors``
+- ``hvp_batched(f, params, vectors, *args)`` -> the same for vectors with a
+  leading probe axis k, linearising ``f`` once for all of them
+- ``vjp_batched(f, params, *args, has_aux=False)`` -> ``(value, aux,
+  pullback)`` where ``pullback(cotangents)`` takes cotangents with a leading
+  axis k and may be called repeatedly on the one forward pass
 - ``per_example_grads(f, params, *batch)`` -> gradients of ``f(params, *example)``
   for every example along axis 0 of ``batch`` (vectorised, no Python loop)
 - ``compile(fn)`` -> a compiled version of a pure function (or ``fn`` itself)
@@ -40,6 +45,8 @@ value_and_grad = _impl.value_and_grad
 jvp = _impl.jvp
 vjp = _impl.vjp
 hvp = _impl.hvp
+hvp_batched = _impl.hvp_batched
+vjp_batched = _impl.vjp_batched
 per_example_grads = _impl.per_example_grads
 compile = _impl.compile
 replica_count = _impl.replica_count
@@ -52,6 +59,8 @@ __all__ = [
     "jvp",
     "vjp",
     "hvp",
+    "hvp_batched",
+    "vjp_batched",
     "per_example_grads",
     "compile",
     "replica_count",

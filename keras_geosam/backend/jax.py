@@ -23,6 +23,22 @@ def hvp(f, params, vectors, *args):
     return jax.jvp(grad_f, (params,), (vectors,))[1]
 
 
+def hvp_batched(f, params, vectors, *args):
+    # One linearisation of the gradient serves every probe (leading axis k).
+    _, linear = jax.linearize(jax.grad(lambda p: f(p, *args)), params)
+    return jax.vmap(linear)(vectors)
+
+
+def vjp_batched(f, params, *args, has_aux=False):
+    """``(value, aux, pullback)``; ``pullback(cotangents)`` maps cotangents
+    with a leading axis k to gradients with that axis, reusing one forward."""
+    if has_aux:
+        value, pull, aux = jax.vjp(lambda p: f(p, *args), params, has_aux=True)
+    else:
+        (value, pull), aux = jax.vjp(lambda p: f(p, *args), params), None
+    return value, aux, lambda cot: jax.vmap(lambda c: pull(c)[0])(cot)
+
+
 def per_example_grads(f, params, *batch):
     def one(*example):
         return jax.grad(f)(params, *[e[None] for e in example])

@@ -40,6 +40,39 @@ def hvp(f, params, vectors, *args):
     return [acc.jvp(g, unconnected_gradients=_ZERO) for g in grads]
 
 
+def hvp_batched(f, params, vectors, *args):
+    # One forward and backward on a persistent tape; pfor vectorises the
+    # second backward over the probes (leading axis k of `vectors`).
+    params = list(params)
+    with tf.GradientTape(persistent=True) as outer:
+        outer.watch(params)
+        with tf.GradientTape() as inner:
+            inner.watch(params)
+            loss = f(params, *args)
+        grads = inner.gradient(loss, params, unconnected_gradients=_ZERO)
+    return tf.vectorized_map(
+        lambda v: outer.gradient(grads, params, output_gradients=v, unconnected_gradients=_ZERO),
+        list(vectors),
+    )
+
+
+def vjp_batched(f, params, *args, has_aux=False):
+    """``(value, aux, pullback)``; ``pullback(cotangents)`` maps cotangents
+    with a leading axis k to gradients with that axis, reusing one forward."""
+    params = list(params)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(params)
+        out = f(params, *args)
+    value, aux = out if has_aux else (out, None)
+
+    def pullback(cot):
+        return tf.vectorized_map(
+            lambda c: tape.gradient(value, params, output_gradients=c, unconnected_gradients=_ZERO), cot
+        )
+
+    return value, aux, pullback
+
+
 def per_example_grads(f, params, *batch):
     def one(example):
         return value_and_grad(f, params, *[e[None] for e in example])[1]
@@ -48,7 +81,9 @@ def per_example_grads(f, params, *batch):
 
 
 def compile(fn):
-    return tf.function(fn, reduce_retracing=True)
+    # Static shapes: a streamed last batch of another size costs one retrace,
+    # and the curvature kernels size their chunks from shapes.
+    return tf.function(fn)
 
 
 def replica_count():

@@ -51,6 +51,68 @@ def hvp(f, params, vectors, *args):
         return list(torch.func.jvp(grad_f, (list(params),), (list(vectors),))[1])
 
 
+def _batched_grad(outputs, leaves, cotangents):
+    """Gradients of `outputs` for every cotangent along axis 0, on a retained
+    graph: vectorised by autograd (``is_grads_batched``) where every op in the
+    graph supports it, one backward per cotangent otherwise."""
+    try:
+        grads = torch.autograd.grad(
+            outputs, leaves, grad_outputs=cotangents, is_grads_batched=True,
+            retain_graph=True, allow_unused=True,
+        )
+    except RuntimeError:  # an op without a batching rule
+        k = int(cotangents[0].shape[0])
+        rows = [
+            torch.autograd.grad(outputs, leaves, grad_outputs=[c[i] for c in cotangents], retain_graph=True, allow_unused=True)
+            for i in range(k)
+        ]
+        grads = [None if r[0] is None else torch.stack(r) for r in zip(*rows)]
+    k = int(cotangents[0].shape[0])
+    return [
+        g.detach() if g is not None else torch.zeros((k,) + tuple(p.shape), dtype=p.dtype, device=p.device)
+        for g, p in zip(grads, leaves)
+    ]
+
+
+def hvp_batched(f, params, vectors, *args):
+    # Reverse-over-reverse on one retained graph: the forward and the first
+    # backward run once for all probes (leading axis k of `vectors`).
+    with torch.enable_grad():
+        leaves = _leaves(params)
+        loss = f(leaves, *args)
+        grads = torch.autograd.grad(loss, leaves, create_graph=True, allow_unused=True)
+        # Gradients that do not depend on the parameters contribute nothing.
+        used = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
+        if not used:
+            return [torch.zeros((vectors[0].shape[0],) + tuple(p.shape), dtype=p.dtype, device=p.device) for p in leaves]
+        return _batched_grad([grads[i] for i in used], leaves, [vectors[i] for i in used])
+
+
+def vjp_batched(f, params, *args, has_aux=False):
+    """``(value, aux, pullback)``; ``pullback(cotangents)`` maps cotangents
+    with a leading axis k to gradients with that axis, reusing one forward."""
+    with torch.enable_grad():
+        leaves = _leaves(params)
+        out = f(leaves, *args)
+    value, aux = out if has_aux else (out, None)
+
+    def pullback(cot):
+        with torch.enable_grad():
+            return _batched_grad([value], leaves, [cot])
+
+    return value.detach(), _detach(aux), pullback
+
+
+def _detach(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.detach()
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_detach(t) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _detach(v) for k, v in tree.items()}
+    return tree
+
+
 def per_example_grads(f, params, *batch):
     def one(*example):
         return torch.func.grad(f)(list(params), *[e[None] for e in example])

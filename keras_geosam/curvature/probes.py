@@ -1,0 +1,94 @@
+"""Random probes drawn on the device, identical on every backend.
+
+A counter-based hash (murmur3's 32-bit finaliser on int32 with wrap-around,
+written in ``keras.ops``) maps ``(seed, stream, probe index, coordinate)``
+to 32 random bits, so probe ``i`` of a given seed is the same vector on
+JAX, TensorFlow and torch, needs no generator state, and is created where
+it is used, in the model's dtype. Coordinates are numbered across a list
+of tensors in order (the flat parameter vector), so a probe does not
+depend on how many probes are drawn together.
+
+Streams keep unrelated draws apart: Hutchinson probes, Lanczos start
+vectors, Hutch++ sketches and Monte-Carlo labels each have their own.
+"""
+
+import numpy as np
+from keras import ops
+
+from keras_geosam import backend
+
+STREAMS = {"hutchinson": 1, "lanczos": 2, "sketch": 3, "labels": 4}
+
+_C1 = -2048144789  # 0x85EBCA6B as int32
+_C2 = -1028477387  # 0xC2B2AE35
+_GOLDEN = -1640531535  # 0x9E3779B1
+_C3 = 668265263  # 0x27D4EB2F
+
+
+def _const(v):
+    # Any Python integer, wrapped to a 32-bit word.
+    return ops.convert_to_tensor(np.array(int(v) % (1 << 32), np.uint32).view(np.int32), dtype="int32")
+
+
+def _lsr(h, k):
+    # Logical right shift: arithmetic shift, then clear the copied sign bits.
+    return ops.bitwise_and(ops.right_shift(h, k), _const((1 << (32 - k)) - 1))
+
+
+def fmix32(h):
+    """murmur3's finaliser, a bijection of 32-bit words (int32 tensors)."""
+    h = ops.bitwise_xor(h, _lsr(h, 16))
+    h = ops.multiply(h, _const(_C1))
+    h = ops.bitwise_xor(h, _lsr(h, 13))
+    h = ops.multiply(h, _const(_C2))
+    return ops.bitwise_xor(h, _lsr(h, 16))
+
+
+def key(seed, stream):
+    """int32 key of a (seed, stream) pair; seed is any Python integer."""
+    return fmix32(ops.bitwise_xor(fmix32(_const(seed)), _const(STREAMS[stream] * _C3)))
+
+
+def bits(k, rows, cols):
+    """32 random bits per (row, column): int32 tensor (len(rows), len(cols))."""
+    r = fmix32(ops.add(k, ops.multiply(ops.cast(rows, "int32"), _const(_GOLDEN))))
+    c = ops.multiply(ops.cast(cols, "int32"), _const(_GOLDEN))
+    # Broadcast explicitly: TensorFlow's bitwise ops do not broadcast (n,1) x (1,m).
+    shape = (int(ops.shape(r)[0]), int(ops.shape(c)[0]))
+    r = ops.broadcast_to(r[:, None], shape)
+    a = fmix32(ops.bitwise_xor(ops.broadcast_to(c[None, :], shape), r))
+    return fmix32(ops.add(a, r))
+
+
+def _signs(h, dtype):
+    return ops.where(ops.less(h, 0), ops.cast(-1.0, dtype), ops.cast(1.0, dtype))
+
+
+def _uniform(h, dtype):
+    # The top 24 bits: exact in float32, in [0, 1).
+    return ops.cast(_lsr(h, 8), dtype) * ops.cast(2.0**-24, dtype)
+
+
+def rademacher(seed, start, count, shapes, dtype, stream="hutchinson"):
+    """Probes ``start .. start+count-1``: a list like `shapes` of tensors with a
+    leading axis `count` and entries +-1 in `dtype`."""
+    k = key(seed, stream)
+    rows = ops.arange(start, start + count, dtype="int32")
+    out, offset = [], 0
+    for shape in shapes:
+        size = int(np.prod(shape, dtype=np.int64))
+        cols = ops.arange(offset, offset + size, dtype="int32")
+        out.append(ops.reshape(_signs(bits(k, rows, cols), dtype), (count,) + tuple(shape)))
+        offset += size
+    return out
+
+
+def uniform(seed, rows, cols, dtype="float32", stream="labels"):
+    """Uniform [0, 1) numbers for the given row and column indices."""
+    return _uniform(bits(key(seed, stream), rows, cols), dtype)
+
+
+def uniform_from_key(k, rows, cols, dtype="float32"):
+    """:func:`uniform` for a key made by :func:`key` (e.g. passed into a
+    compiled function as a tensor)."""
+    return _uniform(bits(k, rows, cols), dtype)
