@@ -11,25 +11,26 @@ Layers run in inference mode unless ``training=True``.
 from keras import ops
 
 from keras_geosam import backend
+from keras_geosam.curvature import probes
 from keras_geosam.curvature.functional import ModelFunctions
+from keras_geosam.curvature.functional import check_data
 from keras_geosam.curvature.functional import batches
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.functional import num_examples
 from keras_geosam.curvature.losses import LossSpec
 from keras_geosam.curvature.losses import require_classifier
 from keras_geosam.curvature.losses import resolve_loss
-
-
-def _weighted_sum(kernel, fns, x, y, batch_size, *extra):
-    n = num_examples(x)
-    params, nt = fns.params(), fns.non_trainable()
-    total = None
-    for xb, yb, nb in batches(x, y, batch_size):
-        args = (params, nt) + extra + ((xb,) if yb is None else (xb, yb))
-        out = kernel(*args)
-        w = nb / n
-        total = [w * o for o in out] if total is None else [t + w * o for t, o in zip(total, out)]
-    return total
+from keras_geosam.curvature.operators import EKFAC
+from keras_geosam.curvature.operators import KFAC
+from keras_geosam.curvature.operators import GGN
+from keras_geosam.curvature.operators import BlockDiagonal
+from keras_geosam.curvature.operators import Dense
+from keras_geosam.curvature.operators import Diagonal
+from keras_geosam.curvature.operators import Fisher
+from keras_geosam.curvature.operators import GGNResidual
+from keras_geosam.curvature.operators import Hessian
+from keras_geosam.curvature.operators import LinearOperator
+from keras_geosam.curvature.operators.model import _capture_of
 
 
 def loss_and_gradient(model, x, y, params=None, loss=None, batch_size=None, training=False, include_regularization=True):
@@ -56,7 +57,7 @@ def hvp(model, x, y, vectors, loss=None, batch_size=None, training=False):
     """Hessian of the mean loss (regularisers included) times `vectors`."""
     fns = model_functions(model, loss, training)
     vectors = fns.check_vectors(vectors)
-    return _weighted_sum(fns.kernel("hvp"), fns, x, y, batch_size, vectors)
+    return Hessian(model, x, y, loss=loss, batch_size=batch_size, training=training).matvec(vectors)
 
 
 def ggnvp(model, x, y=None, vectors=None, reduction="mean", loss=None, batch_size=None, training=False):
@@ -66,7 +67,7 @@ def ggnvp(model, x, y=None, vectors=None, reduction="mean", loss=None, batch_siz
     Jacobian of example n's logits and ``c = 1/N`` (``reduction="mean"``) or
     1 (``"sum"``). For a softmax-output model this is the Fisher of the
     predictive distribution (the GGN with respect to the pre-softmax logits).
-    Labels `y` are not needed and ignored.
+    Labels `y` are not needed and ignored. ``GGN(model, x)`` is the operator.
     """
     if vectors is None:
         raise ValueError("ggnvp needs `vectors`.")
@@ -75,16 +76,11 @@ def ggnvp(model, x, y=None, vectors=None, reduction="mean", loss=None, batch_siz
     fns = model_functions(model, loss, training)
     require_classifier(fns.spec, "ggnvp")
     vectors = fns.check_vectors(vectors)
-    n = num_examples(x)
-    params, nt = fns.params(), fns.non_trainable()
-    kernel = fns.kernel("ggnvp")
-    total = None
-    for xb, _, _ in batches(x, None, batch_size):
-        out = kernel(params, nt, vectors, xb, 1.0)
-        total = out if total is None else [t + o for t, o in zip(total, out)]
-    if reduction == "mean":
-        total = [t / n for t in total]
-    return total
+    op = GGN(model, x, kind="exact", loss=loss, batch_size=batch_size, training=training)
+    out = op.matvec(vectors)
+    if reduction == "sum":
+        out = [o * ops.cast(op.num_examples, o.dtype) for o in out]
+    return out
 
 
 def per_example_gradients(model, x, y, loss=None, batch_size=None, training=False):
@@ -95,19 +91,28 @@ def per_example_gradients(model, x, y, loss=None, batch_size=None, training=Fals
     ``training=False``.
     """
     fns = model_functions(model, loss, training)
-    return _concat(fns, fns.kernel("per_example_grads"), x, y, batch_size)
+    check_data(x, y)
+    capture = _capture_of(fns)
+    if capture.uncovered or not capture.rules:
+        return _concat(fns, fns.kernel("per_example_grads"), x, y, batch_size)
+    # Every variable has a rule: from layer inputs and output gradients,
+    # with no per-example map (works for torch convolutions too).
+    parts = None
+    for xb, yb, _ in batches(x, y, batch_size):
+        out = capture.per_example_gradients(fns.params(), fns.non_trainable(), xb, ops.convert_to_tensor(yb))
+        out = [out[i] for i in range(len(fns.variables))]
+        parts = [[o] for o in out] if parts is None else [p + [o] for p, o in zip(parts, out)]
+    return [ops.concatenate(p, axis=0) if len(p) > 1 else p[0] for p in parts]
 
 
 def sampled_label_gradients(model, x, num_samples=1, seed=0, batch_size=None, training=False):
     """Per-example gradients of -log p(ŷ|x) with ŷ drawn from the model.
 
     Returns ``(grads, labels)``: grads with a leading axis of size
-    ``N * num_samples`` (sample-major) and the labels drawn. Labels are drawn
-    on the host from a NumPy generator seeded by `seed`, so the draw is the
-    same on every backend.
+    ``N * num_samples`` (sample-major) and the labels drawn, the labels of
+    ``GGN(kind="mc", seed=seed)`` (see :func:`sample_labels`), the same on
+    every backend.
     """
-    import numpy as np
-
     fns = model_functions(model, None, training)
     require_classifier(fns.spec, "sampled_label_gradients")
     probs = predict_probs(model, x, batch_size=batch_size, training=training)
@@ -128,18 +133,23 @@ def predict_probs(model, x, batch_size=None, training=False, loss=None):
     return np.concatenate(out, axis=0).astype("float64")
 
 
-def sample_labels(probs, num_samples, seed):
-    """`num_samples` labels per row of `probs` (sample-major), host-side."""
+def sample_labels(probs, num_samples, seed, offset=0):
+    """`num_samples` labels per row of `probs` (sample-major, int32 NumPy).
+
+    Label s of example n is the inverse CDF of ``probes.uniform(seed, n +
+    offset, s)``: a counter-based draw, identical on every backend and to
+    the labels of ``GGN(kind="mc")`` for the same seed.
+    """
     import numpy as np
 
-    if int(num_samples) < 1:
+    if isinstance(num_samples, bool) or int(num_samples) < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}.")
-    rng = np.random.default_rng(seed)
+    probs = np.asarray(probs, dtype="float64")
+    rows = np.arange(offset, offset + probs.shape[0])
+    u = np.asarray(ops.convert_to_numpy(probes.uniform(seed, rows, np.arange(int(num_samples)), "float32")), dtype="float64")
     cdf = np.cumsum(probs, axis=-1)
-    cdf /= cdf[:, -1:]
-    u = rng.random((int(num_samples), probs.shape[0], 1))
-    labels = (u > cdf[None]).sum(-1)
-    return np.minimum(labels, probs.shape[-1] - 1).reshape(-1).astype("int32")
+    labels = (u[:, :, None] > cdf[:, None, :]).sum(-1)
+    return np.minimum(labels, probs.shape[-1] - 1).T.reshape(-1).astype("int32")
 
 
 def jvp(model, x, vectors, training=False):
@@ -179,6 +189,16 @@ def _concat(fns, kernel, x, y, batch_size):
 
 
 __all__ = [
+    "BlockDiagonal",
+    "Dense",
+    "Diagonal",
+    "EKFAC",
+    "Fisher",
+    "GGN",
+    "GGNResidual",
+    "Hessian",
+    "KFAC",
+    "LinearOperator",
     "LossSpec",
     "ModelFunctions",
     "ggnvp",

@@ -7,6 +7,7 @@ kernels (loss and gradient, HVP, GGN-vector product, per-example gradients)
 are compiled once per model and loss and reused across probes and batches.
 """
 
+import functools
 import weakref
 
 import keras
@@ -14,6 +15,7 @@ import numpy as np
 from keras import ops
 
 from keras_geosam import backend
+from keras_geosam.curvature import probes as _probes
 from keras_geosam.curvature.losses import require_classifier
 from keras_geosam.curvature.losses import resolve_loss
 
@@ -120,12 +122,95 @@ class ModelFunctions:
         p = ops.stop_gradient(ops.exp(logp))
         return -scale * ops.sum(p * logp)
 
+    def logits(self, params, nt, x):
+        """Logits of the predictive distribution (see ``LossSpec.logits``)."""
+        require_classifier(self.spec, "This quantity")
+        return self.spec.logits(self.outputs(params, nt, x)[0])
+
+    def output_gradient(self, z, y):
+        """Per-example gradients of the data loss with respect to the logits
+        `z` (stop-gradient): ``r_n = dl_n / dz_n``."""
+        spec = self.spec
+
+        def total(zs):
+            return ops.sum(spec.per_example(y, spec.outputs_from_logits(zs[0])))
+
+        _, (r,) = backend.value_and_grad(total, [ops.stop_gradient(z)])
+        return ops.stop_gradient(r)
+
+    def output_factors(self, kind, z, y=None, key=None, offset=None, num_samples=1):
+        """Square-root factors of the output-space curvature: ``(k, N, C)``
+        tensors ``c`` with ``sum_j c_jn c_jn^T`` equal to
+
+        - ``"exact"``: ``diag p_n - p_n p_n^T`` (the GGN = exact Fisher of
+          softmax cross-entropy); ``c_jn = sqrt(p_nj) (e_j - p_n)``, k = C;
+        - ``"mc"``: ``1/S sum_s (e_s - p_n)(e_s - p_n)^T`` for S labels drawn
+          from ``p_n`` on the device (hash of `key`, example ``offset + n``
+          and draw s, so every backend draws the same labels);
+        - ``"empirical"``: ``r_n r_n^T``, r the data loss's gradient.
+
+        The per-example gradient of direction ``c_jn`` is ``J_n^T c_jn``.
+        """
+        z = ops.stop_gradient(z)
+        if kind == "empirical":
+            if y is None:
+                raise ValueError('Fisher kind "empirical" needs the data labels `y`.')
+            return self.output_gradient(z, y)[None]
+        p = ops.exp(ops.log_softmax(z, axis=-1))
+        num_classes = int(z.shape[-1])
+        eye = ops.eye(num_classes, dtype=z.dtype)
+        if kind == "exact":
+            return ops.sqrt(ops.transpose(p))[:, :, None] * (eye[:, None, :] - p[None])
+        n = int(z.shape[0])
+        rows = ops.add(ops.arange(0, n, dtype="int32"), ops.cast(offset, "int32"))
+        u = _probes.uniform_from_key(key, rows, ops.arange(0, int(num_samples), dtype="int32"), z.dtype)
+        cdf = ops.cumsum(p, axis=-1)
+        labels = ops.sum(ops.cast(ops.greater(u[:, :, None], cdf[:, None, :]), "int32"), axis=-1)
+        labels = ops.minimum(labels, num_classes - 1)
+        onehot = ops.one_hot(ops.transpose(labels), num_classes, dtype=z.dtype)
+        return (onehot - p[None]) / ops.convert_to_tensor(float(num_samples) ** 0.5, dtype=z.dtype)
+
+    def ggn_surrogate_of(self, params, nt, x, y, key, offset, kind="exact", num_samples=1):
+        """Batch-mean surrogate whose Hessian is the GGN of `kind`:
+        ``1/(2N) sum_jn (c_jn . (z_n - sg z_n))^2``; its value and gradient
+        vanish at the point, its Hessian is ``1/N sum_jn J^T c c^T J``."""
+        z = self.logits(params, nt, x)
+        c = self.output_factors(kind, z, y, key, offset, num_samples)
+        dz = z - ops.stop_gradient(z)
+        proj = ops.sum(c * dz[None], axis=-1)
+        return 0.5 * ops.sum(ops.square(proj)) / ops.cast(ops.shape(z)[0], z.dtype)
+
+    def residual_surrogate(self, params, nt, x, y):
+        """Batch-mean ``1/N sum_n sg(r_n) . z_n`` plus regularisers: its
+        Hessian is ``H - GGN``, the loss Hessian's second-order term
+        ``1/N sum_nk r_nk grad^2 z_nk`` (exact when the loss's Hessian in the
+        logits is ``diag p - p p^T``, as for cross-entropy with labels that
+        sum to one)."""
+        y_pred, losses = self.outputs(params, nt, x)
+        z = self.spec.logits(y_pred)
+        r = self.output_gradient(z, y)
+        value = ops.sum(r * z) / ops.cast(ops.shape(z)[0], z.dtype)
+        if self.include_regularization and losses:
+            value = value + ops.sum(ops.stack([ops.cast(l, value.dtype) for l in losses]))
+        return value
+
     # ------------------------------------------------------ kernels ----
-    def kernel(self, name):
-        """Compiled per-batch kernel `name`, built once."""
-        if name not in self._kernels:
-            self._kernels[name] = backend.compile(getattr(self, "_k_" + name))
-        return self._kernels[name]
+    def kernel(self, name, **static):
+        """Compiled per-batch kernel `name` (with static options), built once."""
+        key = (name,) + tuple(sorted(static.items()))
+        if key not in self._kernels:
+            fn = getattr(self, "_k_" + name)
+            self._kernels[key] = backend.compile(functools.partial(fn, **static) if static else fn)
+        return self._kernels[key]
+
+    def _k_hvp_batched(self, params, nt, vectors, x, y):
+        return backend.hvp_batched(self.loss, params, vectors, nt, x, y)
+
+    def _k_ggn_batched(self, params, nt, vectors, x, y, key, offset, kind="exact", num_samples=1):
+        return backend.hvp_batched(self.ggn_surrogate_of, params, vectors, nt, x, y, key, offset, kind, num_samples)
+
+    def _k_residual_batched(self, params, nt, vectors, x, y):
+        return backend.hvp_batched(self.residual_surrogate, params, vectors, nt, x, y)
 
     def _k_loss_and_grad(self, params, nt, x, y):
         return backend.value_and_grad(self.loss, params, nt, x, y)
@@ -165,6 +250,42 @@ def model_functions(model, loss=None, training=False, include_regularization=Tru
 
 
 # ------------------------------------------------------------ data ------
+def check_data(x, y=None, labels_needed=True):
+    """Validates curvature data; returns ``(x, y)``.
+
+    Raises ``ValueError`` for datasets/generators (pass arrays; memory is
+    bounded by ``batch_size``), missing labels where needed, x and y of
+    different lengths, and non-finite inputs (which would give NaN curvature
+    or a Fisher that looks zero).
+    """
+    for name, a in (("x", x), ("y", y)):
+        if a is None:
+            continue
+        items = a if isinstance(a, (list, tuple)) else [a]
+        for item in items:
+            if not hasattr(item, "shape") or not hasattr(item, "dtype"):
+                raise ValueError(
+                    f"{name} must be an array or tensor (or a list of them for several inputs); got "
+                    f"{type(item).__name__}. Datasets and generators are not taken: pass arrays, "
+                    "and use batch_size to bound memory."
+                )
+    if y is None and labels_needed:
+        raise ValueError("This quantity needs the labels `y`.")
+    n = num_examples(x)
+    if isinstance(x, (list, tuple)):
+        for item in x:
+            if int(ops.shape(item)[0]) != n:
+                raise ValueError(f"The inputs in x differ in length ({int(ops.shape(item)[0])} vs {n}).")
+    if y is not None and int(ops.shape(y)[0]) != n:
+        raise ValueError(f"x and y differ in length: {n} inputs, {int(ops.shape(y)[0])} labels.")
+    for item in x if isinstance(x, (list, tuple)) else [x]:
+        if keras.backend.is_float_dtype(keras.backend.standardize_dtype(item.dtype)):
+            finite = np.all(np.isfinite(item)) if isinstance(item, np.ndarray) else bool(ops.convert_to_numpy(ops.all(ops.isfinite(item))))
+            if not finite:
+                raise ValueError("x holds NaN or Inf: curvature of non-finite inputs is undefined.")
+    return x, y
+
+
 def num_examples(x):
     first = x[0] if isinstance(x, (list, tuple)) else x
     return int(ops.shape(first)[0])

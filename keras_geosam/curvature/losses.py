@@ -34,14 +34,22 @@ class LossSpec:
     from_logits: bool = False
     sparse: bool = False
 
+    def logits(self, y_pred):
+        """Logits z with softmax(z) the predictive distribution: the outputs
+        themselves, or the log of softmax outputs (clipped as Keras' own
+        cross-entropy does, so log stays finite when a class saturates)."""
+        if self.from_logits:
+            return y_pred
+        eps = keras.config.epsilon()
+        return ops.log(ops.clip(y_pred, eps, 1.0))
+
+    def outputs_from_logits(self, z):
+        """Inverse of :meth:`logits` (up to the clip): what the loss takes."""
+        return z if self.from_logits else ops.exp(z)
+
     def log_probs(self, y_pred):
         """Log-probabilities of the model's predictive distribution."""
-        if self.from_logits:
-            return ops.log_softmax(y_pred, axis=-1)
-        # log_softmax(log p) = log p renormalised; clipping as Keras' own
-        # cross-entropy does keeps log finite for saturated softmax outputs.
-        eps = keras.config.epsilon()
-        return ops.log_softmax(ops.log(ops.clip(y_pred, eps, 1.0)), axis=-1)
+        return ops.log_softmax(self.logits(y_pred), axis=-1)
 
 
 def resolve_loss(model, loss=None):

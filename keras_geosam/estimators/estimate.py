@@ -1,4 +1,4 @@
-"""The result type of every stochastic sharpness estimate."""
+"""The result type of every estimate: a value that travels with its uncertainty."""
 
 import dataclasses
 import math
@@ -11,16 +11,18 @@ class Estimate:
     """A scalar estimate with its uncertainty.
 
     Attributes:
-        value: the estimate (mean over probes or samples).
-        stderr: standard error of `value` (sample standard deviation over
-            probes / sqrt(num_samples)); for deterministic iterative methods
-            (Lanczos) a bound on the error instead, documented there.
+        value: the estimate.
+        stderr: standard error of `value` (standard deviation of the probe
+            values / sqrt(number of probes) for stochastic parts; 0 for an
+            exact result); for Lanczos a bound on the error instead,
+            documented there.
         num_samples: probes, samples or iterations behind `value`.
         per_layer: ``{variable path: contribution}``; contributions add up to
             `value` (the diagonal blocks' share of a trace).
         samples: the individual probe values, when there are any.
-        info: what else a reader needs to interpret `value` (data size,
-            damping used, excluded parameters, ...).
+        info: what else a reader needs to interpret `value`: data size,
+            damping, which parts are exact (``info["exact_part"]``,
+            ``info["residual"]``), excluded parameters, ...
     """
 
     value: float
@@ -33,21 +35,36 @@ class Estimate:
     def __float__(self):
         return float(self.value)
 
+    @property
+    def relative_stderr(self):
+        return abs(self.stderr) / abs(self.value) if self.value else math.inf
+
+    @property
+    def within_noise(self):
+        """True when the value is within two standard errors of zero: its
+        sign is not resolved."""
+        return bool(abs(self.value) <= 2 * abs(self.stderr))
+
+    def format(self, digits=4):
+        """``"value ± stderr"``, flagged with ``(~0)`` when within noise."""
+        flag = " (~0)" if self.stderr and self.within_noise else ""
+        return f"{self.value:.{digits}g} ± {self.stderr:.2g}{flag}"
+
     def __repr__(self):
         extra = ""
         if "num_nonzero_fisher" in self.info:
-            extra = (
-                f", nonzero_fisher={self.info['num_nonzero_fisher']}"
-                f"/{self.info['num_params']}"
-            )
+            extra = f", nonzero_fisher={self.info['num_nonzero_fisher']}/{self.info['num_params']}"
+        if self.stderr and self.within_noise:
+            extra += ", within 2 stderr of zero"
         return (
             f"Estimate(value={self.value:.6g}, stderr={self.stderr:.3g}, "
             f"num_samples={self.num_samples}{extra})"
         )
 
 
-def from_samples(samples, per_layer_samples=None, info=None):
-    """Builds an Estimate from per-probe values (and per-layer per-probe values)."""
+def from_samples(samples, per_layer_samples=None, info=None, shift=0.0):
+    """An Estimate from per-probe values (and per-layer per-probe values);
+    `shift` is an exact part added to the value (and to nothing else)."""
     samples = np.asarray(samples, dtype="float64")
     n = samples.size
     stderr = float(samples.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
@@ -55,7 +72,7 @@ def from_samples(samples, per_layer_samples=None, info=None):
     if per_layer_samples:
         per_layer = {k: float(np.mean(v)) for k, v in per_layer_samples.items()}
     return Estimate(
-        value=float(samples.mean()),
+        value=float(samples.mean()) + shift,
         stderr=stderr,
         num_samples=int(n),
         per_layer=per_layer,

@@ -1,0 +1,298 @@
+"""Per-example curvature statistics: one forward, one batched backward.
+
+(Products are ``ops.einsum``: Keras 3.15's ``ops.matmul`` computes float64
+in float32 on torch.)
+
+Each covered layer (``layers.py``) is instrumented for the duration of one
+forward pass: its input is recorded and a zero tensor (a "probe") is added
+to its pre-activation output. The gradient with respect to that probe is
+``delta``, the gradient of the pre-activation. A batched vector-Jacobian
+product pushes k output cotangents per example (the columns of a square
+root of the output-space curvature, ``ModelFunctions.output_factors``)
+back through the one recorded forward pass, so ``delta`` arrives for every
+column at once. From input rows ``a`` and ``delta`` rows come, by
+reductions on the device:
+
+- the diagonal of the GGN / Fisher of any kind: ``sum_jn g_jn^2`` with
+  ``g_jn = sum_t a_nt delta_jnt^T`` (for ``T = 1`` the identity
+  ``g^2 = a^2 (delta^2)^T`` gives it as one matrix product);
+- K-FAC factors ``A = sum a a^T`` (over examples and positions) and
+  ``B = sum delta delta^T``;
+- exact quadratic forms ``sum_jn g_jn^T W g_jn`` for a weight ``W`` diagonal
+  in a Kronecker eigenbasis (``tr(M^-1 GGN)`` under a K-FAC metric).
+
+Variables of layers without a rule get their per-example gradients from the
+backend's vectorised map, still reduced on the device. Memory is
+``O(batch x layer)``: class columns and examples are processed in chunks
+bounded by ``max_elements``.
+"""
+
+import contextlib
+import functools
+
+import numpy as np
+from keras import ops
+
+from keras_geosam import backend
+from keras_geosam.curvature.layers import rules_for
+
+# Largest intermediate (in elements) a chunk may create: ~64 MB in float32.
+MAX_ELEMENTS = 1 << 24
+
+
+class Capture:
+    """Per-example statistics of one model's covered layers (see module doc)."""
+
+    def __init__(self, fns):
+        self.fns = fns
+        self.rules = rules_for(fns.model, fns.training)
+        covered = {id(v) for r in self.rules for v in r.variables}
+        self.position = {id(v): i for i, v in enumerate(fns.variables)}
+        self.uncovered = [i for i, v in enumerate(fns.variables) if id(v) not in covered]
+        self.kfac_rules = [r for r in self.rules if r.kernel is not None]
+        self._call_shapes = {}
+        self._kernels = {}
+
+    def _kernel(self, body, **static):
+        key = (body,) + tuple(sorted(static.items()))
+        if key not in self._kernels:
+            self._kernels[key] = backend.compile(functools.partial(getattr(self, body), **static))
+        return self._kernels[key]
+
+    # -------------------------------------------------- instrumentation ----
+    @contextlib.contextmanager
+    def _instrumented(self, state):
+        for i, rule in enumerate(self.rules):
+            layer, original = rule.layer, rule.layer.call
+
+            def call(inputs, *args, _i=i, _rule=rule, _layer=layer, _orig=original, **kwargs):
+                activation = getattr(_layer, "activation", None) if _rule.splits_activation else None
+                if activation is not None:
+                    object.__setattr__(_layer, "activation", None)
+                try:
+                    z = _orig(inputs, *args, **kwargs)
+                finally:
+                    if activation is not None:
+                        object.__setattr__(_layer, "activation", activation)
+                calls = state["records"][_i]
+                calls.append(_rule.record(inputs))
+                state["shapes"][_i].append(tuple(z.shape))
+                probes = state["probes"]
+                if probes is not None:
+                    z = z + ops.cast(probes[state["slot"][(_i, len(calls) - 1)]], z.dtype)
+                return activation(z) if activation is not None else z
+
+            object.__setattr__(layer, "call", call)
+        try:
+            yield
+        finally:
+            for rule in self.rules:
+                object.__delattr__(rule.layer, "call")
+
+    def _forward(self, probes, params, nt, x, slot, output):
+        state = {"records": [[] for _ in self.rules], "shapes": [[] for _ in self.rules], "probes": probes, "slot": slot}
+        with self._instrumented(state):
+            if output == "logits":
+                z = self.fns.logits(params, nt, x)
+            else:
+                z = self.fns.outputs(params, nt, x)[0]
+        return z, state["records"]
+
+    def call_shapes(self, x):
+        """Pre-activation shape of every call of every covered layer for a
+        batch shaped like `x` (found once per shape by a plain forward)."""
+        key = tuple(tuple(t.shape) for t in (x if isinstance(x, (list, tuple)) else [x]))
+        if key not in self._call_shapes:
+            state = {"records": [[] for _ in self.rules], "shapes": [[] for _ in self.rules], "probes": None, "slot": {}}
+            with self._instrumented(state):
+                self.fns.outputs(self.fns.params(), self.fns.non_trainable(), x)
+            self._call_shapes[key] = [list(s) for s in state["shapes"]]
+        return self._call_shapes[key]
+
+    # --------------------------------------------------------- kernels ----
+    def statistics(self, params, nt, x, y, key, offset, kind, num_samples, kernel_diag=None, other_diag=True, factors=False, bases=None):
+        """Sums over one batch, on the device.
+
+        Args:
+            kind, num_samples, key, offset: the output factors
+                (``ModelFunctions.output_factors``).
+            kernel_diag: K-FAC rules (indices into ``kfac_rules``; None: all)
+                whose kernels get the squared-gradient sum.
+            other_diag: the same for every other variable (biases, scales,
+                uncovered variables).
+            factors: K-FAC factor sums ``A`` (with row counts) and ``B``.
+            bases: ``{kfac rule index: (QA, QB, W)}``: the kernel's
+                ``sum_jn g^T W g`` with ``W`` diagonal in the basis QA kron QB.
+
+        Returns:
+            ``{"diag": {variable index: tensor}, "quad": {variable index:
+            scalar}, "A", "B", "rows": lists over ``kfac_rules``}``.
+        """
+        if kernel_diag is None:
+            kernel_diag = range(len(self.kfac_rules))
+        bases = dict(bases or {})
+        quad = tuple(sorted(bases))
+        static = dict(kind=kind, num_samples=int(num_samples))
+        out = {"diag": {}, "A": [], "B": [], "rows": [], "quad": {}}
+        if self.rules:
+            kernel = self._kernel(
+                "body_statistics", kernel_diag=tuple(sorted(kernel_diag)), other_diag=bool(other_diag),
+                factors=bool(factors), quad=quad, shapes=_freeze(self.call_shapes(x)), **static,
+            )
+            out = kernel(params, nt, x, y, key, offset, [bases[q] for q in quad])
+        if other_diag and self.uncovered:
+            extra = self._kernel("body_uncovered", **static)(params, nt, x, y, key, offset)
+            out["diag"] = {**out["diag"], **extra}
+        return out
+
+    def per_example_gradients(self, params, nt, x, y):
+        """Per-example gradients of the data loss, ``{variable index: (N,) +
+        shape}``, for covered variables only (see ``uncovered``)."""
+        return self._kernel("body_per_example", shapes=_freeze(self.call_shapes(x)))(params, nt, x, y)
+
+    # Bodies of the compiled kernels (ModelFunctions compiles them).
+    def _pullback(self, params, nt, x, shapes, output):
+        slot, zeros = {}, []
+        dtype = self.fns.variables[0].dtype
+        for i, calls in enumerate(shapes):
+            for c, s in enumerate(calls):
+                slot[(i, c)] = len(zeros)
+                zeros.append(ops.zeros(s, dtype=dtype))
+        z, records, pull = backend.vjp_batched(
+            lambda pr: self._forward(pr, params, nt, x, slot, output), zeros, has_aux=True
+        )
+        return z, records, pull, slot
+
+    def _rows(self, records):
+        out = []
+        for rule, calls in zip(self.rules, records):
+            if rule.kernel is None:
+                out.append(None)
+                continue
+            rows = [rule.rows(r) for r in calls]
+            out.append(rows[0] if len(rows) == 1 else ops.concatenate(rows, axis=1))
+        return out
+
+    def _deltas(self, rule, i, records, deltas, slot):
+        calls = len(records[i])
+        d = [rule.delta_rows(deltas[slot[(i, c)]]) for c in range(calls)]
+        return d[0] if calls == 1 else ops.concatenate(d, axis=2)
+
+    def body_statistics(self, params, nt, x, y, key, offset, bases, *, kind, num_samples, kernel_diag, other_diag, factors, quad, shapes):
+        z, records, pull, slot = self._pullback(params, nt, x, shapes, "logits")
+        cot = self.fns.output_factors(kind, z, y, key, offset, num_samples)
+        k = int(cot.shape[0])
+        per_column = sum(int(np.prod(s)) for calls in shapes for s in calls)
+        chunk = max(1, min(k, MAX_ELEMENTS // max(per_column, 1)))
+        rows = self._rows(records)
+        kfac_index = {i: j for j, i in enumerate(i for i, r in enumerate(self.rules) if r.kernel is not None)}
+        out = {"diag": {}, "A": [], "B": [], "rows": [], "quad": {}}
+        if factors:
+            for a in rows:
+                if a is not None:
+                    out["A"].append(ops.einsum("ntm,ntl->ml", a, a))
+                    out["rows"].append(ops.convert_to_tensor(int(a.shape[0]) * int(a.shape[1]), dtype=a.dtype))
+        rotated = {}
+        for q, (QA, QB, W) in zip(quad, bases):
+            i = [i for i, j in kfac_index.items() if j == q][0]
+            rotated[i] = (ops.einsum("ntm,ml->ntl", rows[i], ops.cast(QA, rows[i].dtype)), QB, W)
+        B = [None] * len(self.rules)
+        for start in range(0, k, chunk):
+            deltas = pull(cot[start : start + chunk])
+            for i, rule in enumerate(self.rules):
+                if other_diag:
+                    for c, rec in enumerate(records[i]):
+                        for vid, g in rule.small_grads(rec, deltas[slot[(i, c)]]).items():
+                            _add(out["diag"], self.position[vid], ops.sum(ops.square(g), axis=(0, 1)))
+                if rows[i] is None:
+                    continue
+                d = self._deltas(rule, i, records, deltas, slot)
+                kpos = self.position[id(rule.kernel)]
+                if kfac_index[i] in kernel_diag:
+                    _add(out["diag"], kpos, ops.reshape(_squared_gradients(rows[i], d), rule.kernel.shape))
+                if factors:
+                    b = ops.einsum("kntj,kntl->jl", d, d)
+                    B[i] = b if B[i] is None else B[i] + b
+                if i in rotated:
+                    ar, QB, W = rotated[i]
+                    dr = ops.einsum("kntj,jl->kntl", d, ops.cast(QB, d.dtype))
+                    _add(out["quad"], kpos, ops.sum(ops.cast(W, d.dtype) * _squared_gradients(ar, dr)))
+        if factors:
+            out["B"] = [b for b, a in zip(B, rows) if a is not None]
+        return out
+
+    def body_uncovered(self, params, nt, x, y, key, offset, *, kind, num_samples):
+        # Variables of layers without a rule: per-example gradients of each
+        # output direction by the backend's vectorised map.
+        fns, idx = self.fns, self.uncovered
+        cot = fns.output_factors(kind, fns.logits(params, nt, x), y, key, offset, num_samples)
+
+        def f(sub, xi, ci):
+            full = list(params)
+            for i, p in zip(idx, sub):
+                full[i] = p
+            return ops.sum(ops.cast(ci, params[0].dtype) * fns.logits(full, nt, xi))
+
+        out = {}
+        for j in range(int(cot.shape[0])):
+            grads = backend.per_example_grads(f, [params[i] for i in idx], x, cot[j])
+            for i, g in zip(idx, grads):
+                _add(out, i, ops.sum(ops.square(g), axis=0))
+        return out
+
+    def factor_gradients(self, params, nt, x, y, key, offset, kind, num_samples):
+        """``J_n^T c_jn`` for every output factor j and example n: a list like
+        the variables of ``(k, N) + shape`` tensors (small models: dense
+        matrices are built from them)."""
+        return self._kernel("body_factor_gradients", kind=kind, num_samples=int(num_samples))(params, nt, x, y, key, offset)
+
+    def body_factor_gradients(self, params, nt, x, y, key, offset, *, kind, num_samples):
+        fns = self.fns
+        cot = fns.output_factors(kind, fns.logits(params, nt, x), y, key, offset, num_samples)
+
+        def f(p, xi, ci):
+            return ops.sum(ops.cast(ci, params[0].dtype) * fns.logits(p, nt, xi))
+
+        rows = [backend.per_example_grads(f, params, x, cot[j]) for j in range(int(cot.shape[0]))]
+        return [ops.stack(parts) for parts in zip(*rows)]
+
+    def body_per_example(self, params, nt, x, y, *, shapes):
+        z, records, pull, slot = self._pullback(params, nt, x, shapes, "outputs")
+        spec = self.fns.spec
+        _, (r,) = backend.value_and_grad(lambda zs: ops.sum(spec.per_example(y, zs[0])), [ops.stop_gradient(z)])
+        deltas = pull(r[None])
+        rows = self._rows(records)
+        out = {}
+        for i, rule in enumerate(self.rules):
+            for c, rec in enumerate(records[i]):
+                for vid, g in rule.small_grads(rec, deltas[slot[(i, c)]]).items():
+                    _add(out, self.position[vid], g[0])
+            if rows[i] is not None:
+                d = self._deltas(rule, i, records, deltas, slot)[0]
+                g = ops.einsum("ntm,ntj->nmj", rows[i], d)
+                out[self.position[id(rule.kernel)]] = ops.reshape(g, (ops.shape(g)[0],) + tuple(rule.kernel.shape))
+        return out
+
+
+def _squared_gradients(a, d):
+    """``sum_jn (sum_t a_nt d_jnt^T)^2`` (element-wise square), shape (m, n):
+    one matrix product for T = 1, example chunks otherwise."""
+    if int(a.shape[1]) == 1:
+        return ops.einsum("nm,nj->mj", ops.square(a[:, 0]), ops.sum(ops.square(d[:, :, 0]), axis=0))
+    k, n = int(d.shape[0]), int(a.shape[0])
+    m, j = int(a.shape[-1]), int(d.shape[-1])
+    step = max(1, MAX_ELEMENTS // max(k * m * j, 1))
+    total = None
+    for start in range(0, n, step):
+        g = ops.einsum("ntm,kntj->knmj", a[start : start + step], d[:, start : start + step])
+        part = ops.sum(ops.square(g), axis=(0, 1))
+        total = part if total is None else total + part
+    return total
+
+
+def _add(store, key, value):
+    store[key] = value if key not in store else store[key] + value
+
+
+def _freeze(shapes):
+    return tuple(tuple(tuple(s) for s in calls) for calls in shapes)

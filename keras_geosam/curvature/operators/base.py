@@ -1,0 +1,231 @@
+"""The linear-operator type: symmetric maps on lists of variable-shaped tensors.
+
+A vector is a list of tensors shaped like ``op.shapes`` (for a model, like
+its trainable variables); a block of k vectors is the same list with a
+leading axis k on every tensor. Every operator offers ``matmat`` on such
+blocks (one call serves k probes), ``matvec``, ``@``, ``+``, ``-`` and
+scaling; structured operators add ``diagonal()``, ``trace()`` and
+``inverse`` / ``inverse_sqrt``. ``to_dense()`` materialises the matrix of a
+small operator (float64 NumPy, coordinates in the order of the flattened
+list), for tests and small models.
+"""
+
+import numpy as np
+from keras import ops
+
+
+class LinearOperator:
+    """A linear map on lists of tensors shaped like `shapes`.
+
+    Subclasses implement ``matmat(vectors)``: ``vectors`` is a list of
+    tensors of shapes ``(k,) + shape``; the result has the same shapes.
+    """
+
+    def __init__(self, shapes, dtype):
+        self.shapes = [tuple(int(d) for d in s) for s in shapes]
+        self.dtype = dtype
+
+    # ------------------------------------------------------------ sizes ----
+    @property
+    def sizes(self):
+        return [int(np.prod(s, dtype=np.int64)) for s in self.shapes]
+
+    @property
+    def dim(self):
+        return int(sum(self.sizes))
+
+    # ---------------------------------------------------------- products ----
+    def matmat(self, vectors):
+        raise NotImplementedError(f"{type(self).__name__} does not implement matmat.")
+
+    def matvec(self, vector):
+        return [v[0] for v in self.matmat([ops.expand_dims(x, 0) for x in vector])]
+
+    def __matmul__(self, other):
+        if isinstance(other, LinearOperator):
+            return Product([self, other])
+        return self.matvec(list(other))
+
+    def __add__(self, other):
+        if not isinstance(other, LinearOperator):
+            return NotImplemented
+        return Sum([self, other])
+
+    def __sub__(self, other):
+        if not isinstance(other, LinearOperator):
+            return NotImplemented
+        return Sum([self, Scaled(other, -1.0)])
+
+    def __mul__(self, scalar):
+        if isinstance(scalar, LinearOperator):
+            return NotImplemented
+        return Scaled(self, scalar)
+
+    __rmul__ = __mul__
+
+    def __neg__(self):
+        return Scaled(self, -1.0)
+
+    def __truediv__(self, scalar):
+        return Scaled(self, 1.0 / float(scalar))
+
+    # ------------------------------------------------------ structure ----
+    def diagonal(self):
+        """The diagonal, as a list like `shapes`."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no cheap diagonal; estimate it or use to_dense() on a small problem."
+        )
+
+    def trace(self):
+        """The exact trace, where the structure gives it."""
+        return sum(ops.sum(d) for d in self.diagonal())
+
+    def inverse(self, damping=0.0, relative=False):
+        raise NotImplementedError(f"{type(self).__name__} has no structured inverse.")
+
+    def inverse_sqrt(self, damping=0.0, relative=False):
+        raise NotImplementedError(f"{type(self).__name__} has no structured inverse square root.")
+
+    def to_dense(self, max_dim=20000, chunk=64):
+        """The explicit ``dim x dim`` matrix (float64 NumPy), built column block
+        by column block from `matmat`."""
+        dim = self.dim
+        if dim > max_dim:
+            raise ValueError(f"to_dense() of a {dim}-dimensional operator: raise max_dim (now {max_dim}) to allow it.")
+        cols = []
+        for start in range(0, dim, chunk):
+            k = min(chunk, dim - start)
+            eye = np.zeros((k, dim), dtype="float64")
+            eye[np.arange(k), start + np.arange(k)] = 1.0
+            out = self.matmat(unflatten(ops.convert_to_tensor(eye, dtype=self.dtype), self.shapes))
+            cols.append(np.asarray(ops.convert_to_numpy(flatten(out)), dtype="float64"))
+        return np.concatenate(cols, axis=0).T
+
+    # ------------------------------------------------------- checking ----
+    def check(self, vectors, batched=True):
+        """Raises unless `vectors` is a list matching `shapes` (with a
+        common leading axis if `batched`)."""
+        if not isinstance(vectors, (list, tuple)) or len(vectors) != len(self.shapes):
+            raise ValueError(
+                f"{type(self).__name__} acts on lists of {len(self.shapes)} tensors; "
+                f"got {type(vectors).__name__} of length {len(vectors) if hasattr(vectors, '__len__') else '?'}."
+            )
+        lead = None
+        for v, shape in zip(vectors, self.shapes):
+            got = tuple(ops.shape(v))
+            body = got[1:] if batched else got
+            if body != shape:
+                raise ValueError(f"{type(self).__name__}: tensor of shape {got} where {'(k,) + ' if batched else ''}{shape} is expected.")
+            if batched:
+                if lead is not None and got[0] != lead:
+                    raise ValueError("All tensors of a block of vectors need the same leading axis.")
+                lead = got[0]
+        return list(vectors)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(dim={self.dim}, tensors={len(self.shapes)})"
+
+
+class Sum(LinearOperator):
+    """A + B + ..."""
+
+    def __init__(self, terms):
+        flat = []
+        for t in terms:
+            flat += t.terms if isinstance(t, Sum) else [t]
+        _same_space(flat)
+        super().__init__(flat[0].shapes, flat[0].dtype)
+        self.terms = flat
+
+    def matmat(self, vectors):
+        out = None
+        for t in self.terms:
+            r = t.matmat(vectors)
+            out = r if out is None else [a + b for a, b in zip(out, r)]
+        return out
+
+    def diagonal(self):
+        out = None
+        for t in self.terms:
+            d = t.diagonal()
+            out = d if out is None else [a + b for a, b in zip(out, d)]
+        return out
+
+
+class Scaled(LinearOperator):
+    """c * A for a scalar c."""
+
+    def __init__(self, op, scale):
+        super().__init__(op.shapes, op.dtype)
+        self.op, self.scale = op, float(scale)
+
+    def matmat(self, vectors):
+        return [scalar(self.scale, v.dtype) * v for v in self.op.matmat(vectors)]
+
+    def diagonal(self):
+        return [self.scale * d for d in self.op.diagonal()]
+
+    def inverse(self, damping=0.0, relative=False):
+        if self.scale <= 0:
+            raise ValueError("Only a positive multiple of an operator has a structured inverse.")
+        return Scaled(self.op.inverse(damping / self.scale if not relative else damping, relative), 1.0 / self.scale)
+
+
+class Product(LinearOperator):
+    """A @ B @ ...: applies the rightmost factor first."""
+
+    def __init__(self, factors):
+        flat = []
+        for f in factors:
+            flat += f.factors if isinstance(f, Product) else [f]
+        _same_space(flat)
+        super().__init__(flat[0].shapes, flat[0].dtype)
+        self.factors = flat
+
+    def matmat(self, vectors):
+        for f in reversed(self.factors):
+            vectors = f.matmat(vectors)
+        return vectors
+
+
+def _same_space(ops_list):
+    shapes = ops_list[0].shapes
+    for o in ops_list[1:]:
+        if o.shapes != shapes:
+            raise ValueError(f"Operators act on different spaces: {shapes} vs {o.shapes}.")
+
+
+# ---------------------------------------------------------- helpers ----
+def scalar(value, dtype):
+    """`value` as a scalar tensor of `dtype`. Python numbers are converted
+    directly (``ops.cast`` would pass them through float32 on TensorFlow)."""
+    if isinstance(value, (int, float, np.number)):
+        return ops.convert_to_tensor(value, dtype=dtype)
+    return ops.cast(value, dtype)
+
+
+def flatten(vectors):
+    """A block of vectors (leading axis k) as one (k, dim) tensor."""
+    k = int(ops.shape(vectors[0])[0])
+    return ops.concatenate([ops.reshape(v, (k, -1)) for v in vectors], axis=1)
+
+
+def unflatten(matrix, shapes):
+    """(k, dim) tensor -> list of (k,) + shape tensors."""
+    k = int(ops.shape(matrix)[0])
+    out, start = [], 0
+    for s in shapes:
+        size = int(np.prod(s, dtype=np.int64))
+        out.append(ops.reshape(matrix[:, start : start + size], (k,) + tuple(s)))
+        start += size
+    return out
+
+
+def inner(a, b):
+    """Per-vector inner products of two blocks: (k,) tensor."""
+    return sum(ops.sum(ops.reshape(x * y, (ops.shape(x)[0], -1)), axis=1) for x, y in zip(a, b))
+
+
+def per_tensor_inner(a, b):
+    """(k, len(a)) tensor of per-tensor inner products of two blocks."""
+    return ops.stack([ops.sum(ops.reshape(x * y, (ops.shape(x)[0], -1)), axis=1) for x, y in zip(a, b)], axis=1)

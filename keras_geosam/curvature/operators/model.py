@@ -1,0 +1,251 @@
+"""Curvature operators of a model's mean loss: Hessian, GGN / Fisher, H - GGN.
+
+Each is a :class:`LinearOperator` over lists shaped like the model's
+trainable variables, evaluated at the model's current weights on data
+``(x, y)``, streamed in `batch_size` pieces (exact batch-size-weighted
+means). ``matmat`` linearises once per data batch for all k vectors (a
+Hessian-vector product of a surrogate whose Hessian is the wanted matrix):
+
+- ``Hessian``: the loss itself (regularisers included);
+- ``GGN`` (alias ``Fisher``): ``1/N sum_jn J^T c c^T J`` for the output
+  factors ``c`` of its kind: ``"exact"`` (the GGN, equal to the exact Fisher
+  for softmax cross-entropy), ``"mc"`` (labels drawn from the model) or
+  ``"empirical"`` (data labels; not the Fisher). Its ``diagonal()``,
+  ``kfac()`` and ``trace_with()`` are exact and probe-free, from layer
+  inputs and output gradients (``capture.py``);
+- ``GGNResidual``: ``H - GGN``, the second-order term of the Hessian.
+
+Curvature is taken in inference mode (``training=False``) by default.
+"""
+
+import numpy as np
+from keras import ops
+
+from keras_geosam.curvature import probes
+from keras_geosam.curvature.capture import Capture
+from keras_geosam.curvature.functional import batches
+from keras_geosam.curvature.functional import check_data
+from keras_geosam.curvature.functional import model_functions
+from keras_geosam.curvature.functional import num_examples
+from keras_geosam.curvature.losses import require_classifier
+from keras_geosam.curvature.operators.base import LinearOperator
+from keras_geosam.curvature.operators.base import scalar
+from keras_geosam.curvature.operators.structured import EKFAC
+from keras_geosam.curvature.operators.structured import KFAC
+from keras_geosam.curvature.operators.structured import BlockDiagonal
+from keras_geosam.curvature.operators.structured import Diagonal
+
+KINDS = ("exact", "mc", "empirical")
+DEFAULT_BATCH_SIZE = 256
+
+
+def check_kind(kind):
+    if kind not in KINDS:
+        raise ValueError(f"Fisher kind must be one of {KINDS}, got {kind!r}.")
+
+
+class ModelOperator(LinearOperator):
+    """A curvature matrix of `model`'s mean loss over ``(x, y)``.
+
+    Args:
+        model: a built single-output ``keras.Model``.
+        x, y: data (NumPy arrays or tensors of equal length).
+        loss: loss to use instead of the compiled one.
+        batch_size: examples per streamed batch (default 256).
+        training: layers in training mode (default False).
+    """
+
+    needs_labels = True
+
+    def __init__(self, model, x, y=None, loss=None, batch_size=None, training=False):
+        self.fns = model_functions(model, loss, training)
+        super().__init__([tuple(v.shape) for v in self.fns.variables], self.fns.variables[0].dtype)
+        self.x, self.y = check_data(x, y, labels_needed=self.needs_labels)
+        self.num_examples = num_examples(self.x)
+        self.batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
+
+    def batches(self):
+        """Yields ``(x_b, y_b, n_b, offset)``."""
+        offset = 0
+        for xb, yb, nb in batches(self.x, self.y, self.batch_size):
+            yield xb, yb, nb, offset
+            offset += nb
+
+    def _mean_over_batches(self, fn):
+        """``sum_b (n_b / N) fn(batch)`` for list-valued `fn`."""
+        total = None
+        for xb, yb, nb, offset in self.batches():
+            out = fn(xb, yb, offset)
+            w = nb / self.num_examples
+            out = [o * scalar(w, o.dtype) for o in out]
+            total = out if total is None else [t + o for t, o in zip(total, out)]
+        return total
+
+    def matmat(self, vectors):
+        vectors = [ops.convert_to_tensor(v, dtype=self.dtype) for v in self.check(vectors)]
+        params, nt = self.fns.params(), self.fns.non_trainable()
+        return self._mean_over_batches(lambda xb, yb, offset: self._matmat_batch(params, nt, vectors, xb, yb, offset))
+
+    def _matmat_batch(self, params, nt, vectors, xb, yb, offset):
+        raise NotImplementedError
+
+
+class Hessian(ModelOperator):
+    """The Hessian of the mean loss (regularisers included)."""
+
+    def _matmat_batch(self, params, nt, vectors, xb, yb, offset):
+        return self.fns.kernel("hvp_batched")(params, nt, vectors, xb, yb)
+
+
+class GGNResidual(ModelOperator):
+    """``H - GGN``: ``1/N sum_nk r_nk grad^2 z_nk`` plus the regularisers'
+    Hessian, with r the loss gradient in the logits z. Zero on every
+    per-layer diagonal block of a piecewise-linear network."""
+
+    def __init__(self, model, x, y, loss=None, batch_size=None, training=False):
+        super().__init__(model, x, y, loss, batch_size, training)
+        require_classifier(self.fns.spec, "GGNResidual")
+
+    def _matmat_batch(self, params, nt, vectors, xb, yb, offset):
+        return self.fns.kernel("residual_batched")(params, nt, vectors, xb, yb)
+
+
+class GGN(ModelOperator):
+    """Generalised Gauss-Newton / Fisher of the mean loss, of a given kind.
+
+    Args:
+        model, x, y, loss, batch_size, training: see :class:`ModelOperator`;
+            `y` is needed only for ``kind="empirical"``.
+        kind: ``"exact"`` | ``"mc"`` | ``"empirical"`` (module doc).
+        num_samples: labels drawn per example for ``"mc"``.
+        seed: seeds the ``"mc"`` labels (the same on every backend).
+    """
+
+    def __init__(self, model, x, y=None, kind="exact", num_samples=1, seed=0, loss=None, batch_size=None, training=False):
+        check_kind(kind)
+        if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
+            raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}.")
+        self.needs_labels = kind == "empirical"
+        super().__init__(model, x, y if kind == "empirical" else None, loss, batch_size, training)
+        require_classifier(self.fns.spec, f"GGN / Fisher ({kind})")
+        self.kind, self.num_samples, self.seed = kind, int(num_samples), seed
+        self._key = probes.key(seed, "labels")
+        self._capture = None
+
+    def _offset(self, offset):
+        return ops.convert_to_tensor(offset, dtype="int32")
+
+    def _matmat_batch(self, params, nt, vectors, xb, yb, offset):
+        kernel = self.fns.kernel("ggn_batched", kind=self.kind, num_samples=self.num_samples)
+        return kernel(params, nt, vectors, xb, yb, self._key, self._offset(offset))
+
+    # ------------------------------------------ exact, probe-free parts ----
+    @property
+    def capture(self):
+        if self._capture is None:
+            self._capture = _capture_of(self.fns)
+        return self._capture
+
+    def statistics(self, **options):
+        """Batch statistics of :meth:`Capture.statistics`, summed over the data
+        (device tensors, not yet divided by N)."""
+        params, nt = self.fns.params(), self.fns.non_trainable()
+        total = None
+        for xb, yb, nb, offset in self.batches():
+            out = self.capture.statistics(params, nt, xb, yb, self._key, self._offset(offset), self.kind, self.num_samples, **options)
+            total = out if total is None else _add_stats(total, out)
+        return total
+
+    def to_dense(self, max_dim=20000, chunk=None):
+        """The explicit matrix (float64 NumPy) as ``1/N sum_jn g_jn g_jn^T``
+        from per-example factor gradients: positive semi-definite with the
+        exact rank, as a pseudo-inverse needs."""
+        if self.dim > max_dim:
+            raise ValueError(f"to_dense() of a {self.dim}-dimensional operator: raise max_dim (now {max_dim}) to allow it.")
+        params, nt = self.fns.params(), self.fns.non_trainable()
+        G = np.zeros((self.dim, self.dim))
+        for xb, yb, nb, offset in self.batches():
+            grads = self.capture.factor_gradients(params, nt, xb, yb, self._key, self._offset(offset), self.kind, self.num_samples)
+            k = int(ops.shape(grads[0])[0])
+            J = np.concatenate([np.asarray(ops.convert_to_numpy(g), "float64").reshape(k * nb, -1) for g in grads], axis=1)
+            G += J.T @ J
+        return G / self.num_examples
+
+    def diagonal(self):
+        """The exact diagonal of this kind (no probes), a list like the variables."""
+        stats = self.statistics()
+        return [stats["diag"][i] / ops.cast(self.num_examples, self.dtype) for i in range(len(self.shapes))]
+
+    def kfac(self):
+        """K-FAC approximation of this kind: a :class:`BlockDiagonal` with a
+        :class:`KFAC` block (``A`` the mean over examples and positions of
+        input rows ``a a^T``, ``B = 1/N sum delta delta^T``, "K-FAC expand")
+        for every covered kernel and a :class:`Diagonal` block (the exact
+        diagonal) for every other variable."""
+        stats = self.statistics(kernel_diag=(), factors=True)
+        n = ops.cast(self.num_examples, self.dtype)
+        kernels = {}
+        for j, rule in enumerate(self.capture.kfac_rules):
+            i = self.capture.position[id(rule.kernel)]
+            kernels[i] = KFAC(stats["A"][j] / stats["rows"][j], stats["B"][j] / n, self.shapes[i], rule.split)
+        blocks = [kernels[i] if i in kernels else Diagonal([stats["diag"][i] / n]) for i in range(len(self.shapes))]
+        return BlockDiagonal(blocks)
+
+    def trace_with(self, weight=None):
+        """Exact ``tr(weight @ GGN)`` (or ``tr(GGN)`` for ``weight=None``).
+
+        `weight` is block-diagonal with one block per variable: a
+        :class:`Diagonal`, or an orthogonal :class:`EKFAC` (e.g.
+        ``KFAC.inverse()``) on a covered kernel. Returns ``(total,
+        per_variable)`` as Python floats, the per-variable list in the order
+        of the variables."""
+        blocks = _one_block_per_variable(weight, self.shapes)
+        kernel_pos = {self.capture.position[id(r.kernel)]: j for j, r in enumerate(self.capture.kfac_rules)}
+        bases, diag_rules = {}, []
+        for i, b in enumerate(blocks):
+            if isinstance(b, EKFAC):
+                if not b.orthogonal or i not in kernel_pos:
+                    raise ValueError(
+                        f"trace_with: the EKFAC block of variable {i} needs orthogonal bases and a "
+                        "Dense/Conv/EinsumDense kernel."
+                    )
+                bases[kernel_pos[i]] = (b.QA, b.QG, b.s)
+            elif i in kernel_pos:
+                diag_rules.append(kernel_pos[i])
+        stats = self.statistics(kernel_diag=tuple(diag_rules), bases=bases)
+        parts = []
+        for i, b in enumerate(blocks):
+            if isinstance(b, EKFAC):
+                value = stats["quad"][i]
+            else:
+                d = stats["diag"][i]
+                value = ops.sum(d) if b is None else ops.sum(d * ops.cast(b.values[0], d.dtype))
+            parts.append(float(ops.convert_to_numpy(value)) / self.num_examples)
+        return float(sum(parts)), parts
+
+
+Fisher = GGN
+
+
+def _one_block_per_variable(weight, shapes):
+    if weight is None:
+        return [None] * len(shapes)
+    if isinstance(weight, Diagonal):
+        return [Diagonal([v]) for v in weight.values]
+    if isinstance(weight, BlockDiagonal) and all(len(b.shapes) == 1 for b in weight.blocks):
+        return list(weight.blocks)
+    raise ValueError("trace_with needs a Diagonal or a BlockDiagonal with one block per variable.")
+
+
+def _add_stats(a, b):
+    out = {"A": [x + y for x, y in zip(a["A"], b["A"])], "B": [x + y for x, y in zip(a["B"], b["B"])]}
+    out["rows"] = [x + y for x, y in zip(a["rows"], b["rows"])]
+    for key in ("diag", "quad"):
+        out[key] = {k: a[key][k] + b[key][k] for k in a[key]}
+    return out
+
+
+def _capture_of(fns):
+    if getattr(fns, "_capture", None) is None:
+        fns._capture = Capture(fns)
+    return fns._capture

@@ -1,0 +1,329 @@
+"""Structured operators: Diagonal, KFAC, EKFAC, BlockDiagonal and Dense.
+
+They serve twice: as curvature metrics (a Fisher diagonal, K-FAC factors
+of the Fisher) and, with learnable parameters, as LLQR's preconditioner U.
+Each class can be rebuilt from a flat list of parameter tensors
+(``param_specs`` / ``from_params``), so a function of U's parameters can be
+differentiated through ``op.matvec``.
+
+Products are written with ``ops.einsum`` (Keras 3.15's ``ops.matmul``
+computes float64 in float32 on torch). A KFAC or EKFAC block acts on one tensor viewed as a matrix ``X`` of shape
+``(m, n)``: the tensor's axes before `split` make the rows, the others the
+columns (Dense kernel ``(d_in, d_out)``; Conv kernel
+``(kh*kw*c_in, c_out)``). With the row-major ``vec``,
+``(A kron B) vec(X) = vec(A X B^T)``: the Kronecker product is never formed.
+
+Inverses are pseudo-inverses: eigenvalues (after damping) at or below
+``rcond`` times the block's largest are treated as zero, so a zero-Fisher
+direction is excluded instead of inverted. ``relative=True`` scales
+`damping` by each block's mean eigenvalue (trace / dimension): each
+tensor's diagonal, each Kronecker block.
+"""
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_geosam.curvature.operators.base import LinearOperator
+from keras_geosam.curvature.operators.base import flatten
+from keras_geosam.curvature.operators.base import scalar
+from keras_geosam.curvature.operators.base import unflatten
+
+
+def _eps(dtype):
+    return float(np.finfo(keras.backend.standardize_dtype(dtype)).eps)
+
+
+def spectral(values, damping, power, rcond):
+    """``(values + damping)^-power`` where above ``rcond * max``, else 0."""
+    shifted = values + scalar(damping, values.dtype)
+    cutoff = scalar(rcond, values.dtype) * ops.maximum(ops.max(shifted), scalar(0.0, values.dtype))
+    keep = ops.greater(shifted, cutoff)
+    safe = ops.where(keep, shifted, ops.ones_like(shifted))
+    scaled = 1.0 / safe if power == 1 else 1.0 / ops.sqrt(safe)
+    return ops.where(keep, scaled, ops.zeros_like(shifted))
+
+
+def mean(t):
+    # keras.ops.mean computes float64 in float32 on JAX and torch (Keras
+    # 3.15); a sum over the count keeps the precision.
+    return ops.sum(t) / ops.cast(ops.size(t), t.dtype)
+
+
+def _absolute(damping, relative, mean_eigenvalue):
+    if not relative:
+        return damping
+    return scalar(damping, mean_eigenvalue.dtype) * mean_eigenvalue
+
+
+def _matrix_view(shape, split):
+    split = len(shape) - 1 if split is None else int(split)
+    if not 1 <= split < len(shape):
+        raise ValueError(f"A Kronecker block needs a tensor of >= 2 axes split inside; got shape {shape}, split {split}.")
+    return split, (int(np.prod(shape[:split])), int(np.prod(shape[split:])))
+
+
+class Diagonal(LinearOperator):
+    """``diag(values)``: element-wise products with a list of tensors."""
+
+    def __init__(self, values):
+        values = [ops.convert_to_tensor(v) for v in values]
+        super().__init__([tuple(ops.shape(v)) for v in values], values[0].dtype)
+        self.values = values
+
+    @property
+    def params(self):
+        return list(self.values)
+
+    @staticmethod
+    def param_specs(shape, split=None):
+        return [("d", tuple(shape), "ones", True)]
+
+    @classmethod
+    def from_params(cls, params, shape=None, split=None):
+        return cls(list(params))
+
+    def matmat(self, vectors):
+        return [ops.cast(d, v.dtype)[None] * v for d, v in zip(self.values, vectors)]
+
+    def diagonal(self):
+        return list(self.values)
+
+    def trace(self):
+        return sum(ops.sum(v) for v in self.values)
+
+    def _spectral(self, damping, relative, power, rcond):
+        out = []
+        for v in self.values:
+            lam = _absolute(damping, relative, mean(v))
+            out.append(spectral(v, lam, power, 0.0 if rcond is None else rcond))
+        return Diagonal(out)
+
+    def inverse(self, damping=0.0, relative=False, rcond=None):
+        return self._spectral(damping, relative, 1, rcond)
+
+    def inverse_sqrt(self, damping=0.0, relative=False, rcond=None):
+        return self._spectral(damping, relative, 0.5, rcond)
+
+
+class KFAC(LinearOperator):
+    """``A kron B`` on one tensor: ``X -> A X B^T`` (see module doc).
+
+    As a Fisher block, ``A`` is the second moment of the layer's inputs and
+    ``B`` that of the gradients of its outputs; as LLQR's U, ``A`` and ``B``
+    are learned and need not be symmetric.
+    """
+
+    def __init__(self, A, B, shape, split=None):
+        shape = tuple(int(s) for s in shape)
+        self.split, self.view = _matrix_view(shape, split)
+        A, B = ops.convert_to_tensor(A), ops.convert_to_tensor(B)
+        if tuple(ops.shape(A)) != (self.view[0],) * 2 or tuple(ops.shape(B)) != (self.view[1],) * 2:
+            raise ValueError(f"KFAC factors of shapes {tuple(ops.shape(A))}, {tuple(ops.shape(B))} do not fit the view {self.view}.")
+        super().__init__([shape], A.dtype)
+        self.A, self.B = A, B
+
+    @property
+    def params(self):
+        return [self.A, self.B]
+
+    @staticmethod
+    def param_specs(shape, split=None):
+        _, (m, n) = _matrix_view(tuple(shape), split)
+        return [("A", (m, m), "identity", False), ("B", (n, n), "identity", False)]
+
+    @classmethod
+    def from_params(cls, params, shape, split=None):
+        return cls(params[0], params[1], shape, split)
+
+    def matmat(self, vectors):
+        (X,) = vectors
+        k = ops.shape(X)[0]
+        Y = ops.reshape(X, (k,) + self.view)
+        Y = ops.einsum("ij,kjl,ml->kim", ops.cast(self.A, X.dtype), Y, ops.cast(self.B, X.dtype))
+        return [ops.reshape(Y, ops.shape(X))]
+
+    def diagonal(self):
+        d = ops.diagonal(self.A)[:, None] * ops.diagonal(self.B)[None, :]
+        return [ops.reshape(d, self.shapes[0])]
+
+    def trace(self):
+        return ops.trace(self.A) * ops.trace(self.B)
+
+    def eigh(self):
+        """Eigenvalues and eigenvectors of both (symmetrised) factors."""
+        la, qa = ops.eigh((self.A + ops.transpose(self.A)) / 2)
+        lb, qb = ops.eigh((self.B + ops.transpose(self.B)) / 2)
+        return la, qa, lb, qb
+
+    def _spectral(self, damping, relative, power, rcond):
+        # Damping acts on the Kronecker product itself, A kron B + lambda I,
+        # diagonal in the factors' joint eigenbasis: an EKFAC operator.
+        la, qa, lb, qb = self.eigh()
+        s = la[:, None] * lb[None, :]
+        lam = _absolute(damping, relative, mean(s))
+        rcond = max(self.view) * _eps(s.dtype) if rcond is None else rcond
+        return EKFAC(qa, qb, spectral(s, lam, power, rcond), self.shapes[0], self.split, orthogonal=True)
+
+    def inverse(self, damping=0.0, relative=False, rcond=None):
+        return self._spectral(damping, relative, 1, rcond)
+
+    def inverse_sqrt(self, damping=0.0, relative=False, rcond=None):
+        return self._spectral(damping, relative, 0.5, rcond)
+
+
+class EKFAC(LinearOperator):
+    """``X -> Q_A (s * (Q_A^T X Q_G)) Q_G^T`` on one tensor (see module doc):
+    eigenvalue-corrected K-FAC. With orthogonal ``Q_A``, ``Q_G`` (as from
+    ``KFAC.inverse``) ``s`` holds the eigenvalues and the inverse is exact;
+    LLQR learns ``Q_A``, ``Q_G`` freely, which has no structured inverse."""
+
+    def __init__(self, QA, QG, s, shape, split=None, orthogonal=False):
+        shape = tuple(int(d) for d in shape)
+        self.split, self.view = _matrix_view(shape, split)
+        QA, QG, s = (ops.convert_to_tensor(t) for t in (QA, QG, s))
+        s = ops.reshape(s, self.view)
+        super().__init__([shape], s.dtype)
+        self.QA, self.QG, self.s = QA, QG, s
+        self.orthogonal = bool(orthogonal)
+
+    @property
+    def params(self):
+        return [self.QA, self.QG, self.s]
+
+    @staticmethod
+    def param_specs(shape, split=None):
+        _, (m, n) = _matrix_view(tuple(shape), split)
+        return [("QA", (m, m), "identity", False), ("QG", (n, n), "identity", False), ("s", (m, n), "ones", True)]
+
+    @classmethod
+    def from_params(cls, params, shape, split=None):
+        return cls(params[0], params[1], params[2], shape, split)
+
+    def matmat(self, vectors):
+        (X,) = vectors
+        k = ops.shape(X)[0]
+        QA, QG, s = (ops.cast(t, X.dtype) for t in (self.QA, self.QG, self.s))
+        Y = ops.reshape(X, (k,) + self.view)
+        inner = ops.einsum("ji,kjl,lm->kim", QA, Y, QG)
+        Y = ops.einsum("ij,kjl,ml->kim", QA, s[None] * inner, QG)
+        return [ops.reshape(Y, ops.shape(X))]
+
+    def diagonal(self):
+        d = ops.einsum("ij,jl,ml->im", ops.square(self.QA), self.s, ops.square(self.QG))
+        return [ops.reshape(d, self.shapes[0])]
+
+    def trace(self):
+        return ops.sum(self.s) if self.orthogonal else ops.sum(self.diagonal()[0])
+
+    def _spectral(self, damping, relative, power, rcond):
+        if not self.orthogonal:
+            raise NotImplementedError("An EKFAC operator with learned (non-orthogonal) bases has no structured inverse.")
+        lam = _absolute(damping, relative, mean(self.s))
+        rcond = max(self.view) * _eps(self.s.dtype) if rcond is None else rcond
+        return EKFAC(self.QA, self.QG, spectral(self.s, lam, power, rcond), self.shapes[0], self.split, orthogonal=True)
+
+    def inverse(self, damping=0.0, relative=False, rcond=None):
+        return self._spectral(damping, relative, 1, rcond)
+
+    def inverse_sqrt(self, damping=0.0, relative=False, rcond=None):
+        return self._spectral(damping, relative, 0.5, rcond)
+
+
+class BlockDiagonal(LinearOperator):
+    """Blocks acting on consecutive tensors of the list, nothing across them.
+
+    `damping` in ``inverse`` / ``inverse_sqrt`` is one number for every block
+    or a list with one per block.
+    """
+
+    def __init__(self, blocks):
+        blocks = list(blocks)
+        if not blocks:
+            raise ValueError("BlockDiagonal needs at least one block.")
+        shapes = [s for b in blocks for s in b.shapes]
+        super().__init__(shapes, blocks[0].dtype)
+        self.blocks = blocks
+
+    # Learnable layout: [(block class, shape, split)] with one tensor per block.
+    @staticmethod
+    def param_specs_of(layout):
+        return [spec for cls, shape, split in layout for spec in cls.param_specs(shape, split)]
+
+    @classmethod
+    def from_params(cls, layout, params):
+        blocks, i = [], 0
+        for kind, shape, split in layout:
+            k = len(kind.param_specs(shape, split))
+            blocks.append(kind.from_params(list(params[i : i + k]), shape, split))
+            i += k
+        if i != len(params):
+            raise ValueError(f"{len(params)} parameters for a layout that takes {i}.")
+        return cls(blocks)
+
+    @property
+    def params(self):
+        return [p for b in self.blocks for p in b.params]
+
+    def split_list(self, vectors):
+        out, i = [], 0
+        for b in self.blocks:
+            out.append(list(vectors[i : i + len(b.shapes)]))
+            i += len(b.shapes)
+        return out
+
+    def matmat(self, vectors):
+        return [y for b, v in zip(self.blocks, self.split_list(vectors)) for y in b.matmat(v)]
+
+    def diagonal(self):
+        return [d for b in self.blocks for d in b.diagonal()]
+
+    def trace(self):
+        return sum(b.trace() for b in self.blocks)
+
+    def _per_block(self, damping):
+        if isinstance(damping, (list, tuple)):
+            if len(damping) != len(self.blocks):
+                raise ValueError(f"{len(damping)} damping values for {len(self.blocks)} blocks.")
+            return list(damping)
+        return [damping] * len(self.blocks)
+
+    def inverse(self, damping=0.0, relative=False, rcond=None):
+        return BlockDiagonal([b.inverse(d, relative, rcond) for b, d in zip(self.blocks, self._per_block(damping))])
+
+    def inverse_sqrt(self, damping=0.0, relative=False, rcond=None):
+        return BlockDiagonal([b.inverse_sqrt(d, relative, rcond) for b, d in zip(self.blocks, self._per_block(damping))])
+
+
+class Dense(LinearOperator):
+    """An explicit symmetric ``dim x dim`` matrix (small problems, references)."""
+
+    def __init__(self, matrix, shapes):
+        matrix = ops.convert_to_tensor(matrix)
+        super().__init__(shapes, matrix.dtype)
+        if tuple(ops.shape(matrix)) != (self.dim, self.dim):
+            raise ValueError(f"A {tuple(ops.shape(matrix))} matrix does not act on {self.dim} coordinates.")
+        self.matrix = matrix
+
+    def matmat(self, vectors):
+        V = flatten(vectors)
+        return unflatten(ops.einsum("kj,ij->ki", V, ops.cast(self.matrix, V.dtype)), self.shapes)
+
+    def diagonal(self):
+        return unflatten(ops.diagonal(self.matrix)[None], self.shapes)
+
+    def trace(self):
+        return ops.trace(self.matrix)
+
+    def _spectral(self, damping, relative, power, rcond):
+        w, q = ops.eigh((self.matrix + ops.transpose(self.matrix)) / 2)
+        lam = _absolute(damping, relative, mean(w))
+        rcond = self.dim * _eps(w.dtype) if rcond is None else rcond
+        f = spectral(w, lam, power, rcond)
+        return Dense(ops.einsum("ij,kj->ik", q * f[None, :], q), self.shapes)
+
+    def inverse(self, damping=0.0, relative=False, rcond=None):
+        return self._spectral(damping, relative, 1, rcond)
+
+    def inverse_sqrt(self, damping=0.0, relative=False, rcond=None):
+        return self._spectral(damping, relative, 0.5, rcond)

@@ -1,0 +1,124 @@
+"""Stochastic trace estimators for any :class:`LinearOperator`.
+
+- :func:`hutchinson`: ``tr A = E[z^T A z]`` with Rademacher z; optionally
+  adaptive (``rtol``): rounds of probes until the standard error is small
+  enough relative to the value.
+- :func:`hutchpp`: Hutch++ (Meyer et al. 2021): the trace of A on a
+  sketched top subspace exactly, Hutchinson on the rest; far fewer probes
+  when A's spectrum decays.
+
+Probes are drawn on the device in the operator's dtype
+(:mod:`keras_geosam.curvature.probes`): one seed gives the same probes on
+every backend. ``z^T A z`` is reduced per tensor on the device; only k
+scalars per tensor reach the host.
+"""
+
+import math
+import warnings
+
+import numpy as np
+from keras import ops
+
+from keras_geosam.curvature import probes
+from keras_geosam.curvature.operators.base import flatten
+from keras_geosam.curvature.operators.base import per_tensor_inner
+from keras_geosam.curvature.operators.base import unflatten
+from keras_geosam.estimators.estimate import from_samples
+
+# Probes per operator call are capped so that a block of them stays within
+# this many elements (~128 MB in float32).
+MAX_BLOCK_ELEMENTS = 1 << 25
+
+
+def check_positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+    return int(value)
+
+
+def _block_size(op):
+    return max(1, MAX_BLOCK_ELEMENTS // max(op.dim, 1))
+
+
+def quadratic_forms(op, start, count, seed, stream="hutchinson"):
+    """``z_i^T A z_i`` per tensor for probes ``start .. start+count-1``:
+    a (count, number of tensors) float64 NumPy array."""
+    out = []
+    step = _block_size(op)
+    for s in range(start, start + count, step):
+        k = min(step, start + count - s)
+        z = probes.rademacher(seed, s, k, op.shapes, op.dtype, stream)
+        out.append(np.asarray(ops.convert_to_numpy(per_tensor_inner(z, op.matmat(z))), dtype="float64"))
+    return np.concatenate(out, axis=0)
+
+
+def hutchinson(op, num_probes=10, rtol=None, max_probes=200, seed=0, shift=0.0, paths=None, bar=None):
+    """Trace of `op` by Hutchinson's estimator.
+
+    Args:
+        op: any :class:`LinearOperator`.
+        num_probes: probes in the first round; without `rtol`, all of them.
+        rtol: draw further rounds of `num_probes` until
+            ``stderr <= rtol * |shift + mean|`` or `max_probes` are used
+            (a ``RuntimeWarning`` says when the target is not reached).
+        max_probes: the cap on probes when `rtol` is set.
+        seed: probe seed (identical probes on every backend).
+        shift: an exact part of the quantity, added to the value (used only
+            for the value and the `rtol` test).
+        paths: names of the tensors for ``per_layer`` (default "0", "1", ...).
+        bar: a ``keras.utils.Progbar`` advanced by one per probe.
+
+    Returns:
+        An :class:`Estimate` with the probe values in ``samples``.
+    """
+    num_probes = check_positive_int("num_probes", num_probes)
+    if rtol is not None and not rtol > 0:
+        raise ValueError(f"rtol must be > 0, got {rtol!r}.")
+    if rtol is not None:
+        max_probes = max(check_positive_int("max_probes", max_probes), num_probes)
+    paths = [str(i) for i in range(len(op.shapes))] if paths is None else list(paths)
+    rows = np.zeros((0, len(op.shapes)))
+    while True:
+        count = num_probes if rtol is None else min(num_probes, max_probes - rows.shape[0])
+        rows = np.concatenate([rows, quadratic_forms(op, rows.shape[0], count, seed)], axis=0)
+        if bar is not None:
+            bar.add(count)
+        if rtol is None:
+            break
+        total = rows.sum(axis=1)
+        n = total.size
+        stderr = total.std(ddof=1) / math.sqrt(n) if n > 1 else math.inf
+        if stderr <= rtol * abs(shift + total.mean()):
+            break
+        if n >= max_probes:
+            warnings.warn(
+                f"Hutchinson: relative standard error {stderr / max(abs(shift + total.mean()), 1e-300):.3g} "
+                f"above rtol={rtol} after max_probes={max_probes} probes; the estimate reports its stderr.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            break
+    info = {"estimator": "hutchinson (Rademacher)", "rtol": rtol, "seed": seed}
+    return from_samples(rows.sum(axis=1), dict(zip(paths, rows.T)), info, shift=shift)
+
+
+def hutchpp(op, num_matvecs=30, seed=0, shift=0.0, paths=None):
+    """Trace of `op` by Hutch++ with `num_matvecs` products (a third each
+    for the sketch, the exact part on its range, and Hutchinson on the
+    rest). ``stderr`` is that of the Hutchinson part."""
+    num_matvecs = check_positive_int("num_matvecs", num_matvecs)
+    k = max(1, num_matvecs // 3)
+    if k < 2:
+        raise ValueError("hutchpp needs num_matvecs >= 6 (two probes per stage).")
+    paths = [str(i) for i in range(len(op.shapes))] if paths is None else list(paths)
+    sketch = op.matmat(probes.rademacher(seed, 0, k, op.shapes, op.dtype, "sketch"))
+    q, _ = ops.qr(ops.transpose(flatten(sketch)))  # (dim, k), orthonormal columns
+    Q = unflatten(ops.transpose(q), op.shapes)
+    exact = np.asarray(ops.convert_to_numpy(per_tensor_inner(Q, op.matmat(Q))), dtype="float64").sum(axis=0)
+    g = flatten(probes.rademacher(seed, 0, k, op.shapes, op.dtype, "hutchinson"))
+    g = g - ops.einsum("kj,pj->kp", ops.einsum("kp,pj->kj", g, q), q)  # project out the sketched range
+    G = unflatten(g, op.shapes)
+    rows = np.asarray(ops.convert_to_numpy(per_tensor_inner(G, op.matmat(G))), dtype="float64")
+    info = {"estimator": "hutch++", "sketch_rank": k, "num_matvecs": 3 * k, "seed": seed, "exact_on_sketch": float(exact.sum())}
+    est = from_samples(rows.sum(axis=1), dict(zip(paths, rows.T + exact[:, None])), info, shift=shift + float(exact.sum()))
+    return est
