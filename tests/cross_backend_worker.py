@@ -3,7 +3,8 @@
 ``KERAS_BACKEND=<b> python tests/cross_backend_worker.py OUT.npz`` builds a
 small float32 conv/BN classifier, sets every weight from a fixed NumPy seed,
 and saves the loss, gradient, HVP, GGN-vector product and per-example
-gradients on fixed NumPy data. ``compute()`` is also called in-process by the
+gradients on fixed NumPy data, and sharpness estimates (probe values,
+exact parts, Monte-Carlo Fisher) for a fixed seed. ``compute()`` is also called in-process by the
 test on the JAX backend.
 """
 
@@ -49,8 +50,19 @@ def compute():
         arrays = [np.asarray(keras.ops.convert_to_numpy(t)) for t in ts]
         return np.concatenate([a.reshape(a.shape[0], -1) for a in arrays], axis=1)
 
+    from keras_geosam import sharpness as ks
+
+    def estimate(e):
+        return np.concatenate([[e.value, e.stderr], e.samples if e.samples is not None else []])
+
     out, errors = {"weights": flat(model.weights)}, []
+    probed = dict(num_probes=4, rtol=None, seed=3)
     steps = {
+        "trace_probes": lambda: estimate(ks.hessian_trace(model, x, y, split=False, **probed)),
+        "trace_split": lambda: estimate(ks.hessian_trace(model, x, y, **probed)),
+        "sr_diag": lambda: estimate(ks.riemannian_sharpness(model, x, y, metric="diagonal", **probed)),
+        "sr_kfac": lambda: estimate(ks.riemannian_sharpness(model, x, y, metric="kfac", **probed)),
+        "fisher_mc": lambda: flat(ks.fisher_diagonal(model, x, kind="mc", num_samples=2, seed=5)),
         "loss_grad": lambda: kc.loss_and_gradient(model, x, y),
         "hvp": lambda: flat(kc.hvp(model, x, y, vec)),
         "ggnvp": lambda: flat(kc.ggnvp(model, x, y, vec)),

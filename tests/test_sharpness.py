@@ -7,15 +7,20 @@ package estimates is then rebuilt from explicit matrices:
 
 - the full Hessian of the mean loss (``jax.hessian``);
 - Fisher diagonals / matrices from explicit per-example, per-class gradients
-  (``sum_k p_nk g_nk g_nk^T``), with sampled labels reproduced from the same
-  seeded NumPy generator;
+  (``sum_k p_nk g_nk g_nk^T``), with Monte-Carlo labels reproduced by the
+  reference hash (``reference.hash_labels``);
 - K-FAC factors from explicit layer inputs, an explicit im2col, and output
   gradients ``delta`` taken by jax with respect to additive perturbations of
-  each pre-activation.
+  each pre-activation;
+- the metric M as an explicit block-diagonal matrix (one block per variable:
+  the Fisher diagonal, or ``kron(A, S)`` for kernels under K-FAC), damped per
+  block by ``damping * mean eigenvalue`` and (pseudo-)inverted by ``eigh``.
 
-Hutchinson probes are reproduced (``np.random.default_rng(seed)``, one
-Rademacher vector per variable per probe), so stochastic estimates are
-checked probe by probe, not only in distribution.
+Hutchinson probes are reproduced (``reference.hash_probes``, the package's
+counter-based probes rebuilt in NumPy), so stochastic estimates are checked
+probe by probe, not only in distribution. With the exact/residual split,
+the exact part is checked against ``tr(M^-1 GGN)`` and each residual probe
+against ``z^T M^-1/2 (H - GGN) M^-1/2 z``.
 
 Tolerances (relative ``||a - b|| / ||b||`` unless said otherwise):
 float64 exactness 1e-8 (EXACT); Lanczos 1e-3 (its documented stopping
@@ -42,9 +47,8 @@ from keras.src.backend.common import global_state
 
 import reference as ref
 from keras_geosam import sharpness as ks
-from keras_geosam.curvature import sample_labels
+from keras_geosam.curvature.layers import ConvRule
 from keras_geosam.reparam import rescale
-from keras_geosam.sharpness import kfac as kfac_mod
 
 EXACT = 1e-8
 INVARIANT = 1e-6
@@ -82,26 +86,6 @@ def keras_float32_ops():
 # ------------------------------------------------------------ helpers ----
 def rel(a, b):
     return ref.rel_err(a, b)
-
-
-def rademacher_probes(seed, shapes, num):
-    """The probe sequence of keras_geosam/sharpness/_common.py, rebuilt."""
-    rng = np.random.default_rng(seed)
-    return [
-        [rng.integers(0, 2, size=s).astype("float64") * 2.0 - 1.0 for s in shapes]
-        for _ in range(num)
-    ]
-
-
-def sampled_labels(probs, num_samples, seed, batch_size):
-    """Labels as the package draws them: one generator, batch after batch,
-    ``(num_samples, batch)`` per batch. Returns ``(num_samples, N)``."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for start in range(0, probs.shape[0], batch_size):
-        pb = probs[start : start + batch_size]
-        out.append(sample_labels(pb, num_samples, rng).reshape(num_samples, -1))
-    return np.concatenate(out, axis=1)
 
 
 def _sparse_ce():
@@ -317,273 +301,7 @@ def get_case(name):
     return case
 
 
-# ------------------------------------------------------ hessian_trace ----
-@pytest.mark.parametrize("name", ["sigmoid_mlp", "relu_mlp"])
-def test_hessian_trace_probe_by_probe_and_within_3_stderr(name):
-    case = get_case(name)
-    H = case.hessian()
-    est = ks.hessian_trace(case.model, case.x, case.y, num_probes=40, seed=3)
-    probes = rademacher_probes(3, case.shapes, 40)
-    expected = np.array([ref.flatten(z) @ H @ ref.flatten(z) for z in probes])
-    assert rel(est.samples, expected) < case.tol
-    assert est.num_samples == 40
-    assert est.value == pytest.approx(expected.mean(), rel=case.tol)
-    assert est.stderr == pytest.approx(expected.std(ddof=1) / math.sqrt(40), rel=case.tol)
-    assert float(est) == est.value
-    exact = np.trace(H)
-    assert abs(est.value - exact) <= 3 * est.stderr, (est, exact)
-    assert est.stderr < 0.25 * abs(exact)  # the check above is not vacuous
-    # per-layer: the diagonal blocks' shares, adding up to the value
-    assert list(est.per_layer) == case.paths
-    assert sum(est.per_layer.values()) == pytest.approx(est.value, rel=1e-12)
-    sizes = np.cumsum([0] + [int(np.prod(s)) for s in case.shapes])
-    for path, a, b in zip(case.paths, sizes[:-1], sizes[1:]):
-        blk = np.mean([ref.flatten(z)[a:b] @ (H @ ref.flatten(z))[a:b] for z in probes])
-        assert est.per_layer[path] == pytest.approx(blk, rel=case.tol, abs=1e-12)
-
-
-def test_hessian_trace_streaming_and_seeds():
-    case = get_case("sigmoid_mlp")
-    a = ks.hessian_trace(case.model, case.x, case.y, num_probes=5, seed=7)
-    b = ks.hessian_trace(case.model, case.x, case.y, num_probes=5, seed=7, batch_size=6)
-    c = ks.hessian_trace(case.model, case.x, case.y, num_probes=5, seed=8)
-    assert rel(a.samples, b.samples) < case.tol
-    again = ks.hessian_trace(case.model, case.x, case.y, num_probes=5, seed=7)
-    np.testing.assert_array_equal(a.samples, again.samples)
-    assert not np.allclose(a.samples, c.samples)
-    assert a.info["num_examples"] == N
-
-
-@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
-def test_hessian_trace_rejects_bad_num_probes(bad):
-    case = get_case("sigmoid_mlp")
-    with pytest.raises(ValueError, match="num_probes"):
-        ks.hessian_trace(case.model, case.x, case.y, num_probes=bad)
-
-
-# --------------------------------------------- hessian_max_eigenvalue ----
-@pytest.mark.parametrize("name", ["sigmoid_mlp", "relu_mlp", "conv"])
-def test_hessian_max_eigenvalue_matches_eigh(name):
-    case = get_case(name)
-    evals, evecs = np.linalg.eigh(case.hessian())
-    est = ks.hessian_max_eigenvalue(case.model, case.x, case.y)
-    assert est.value == pytest.approx(evals[-1], rel=1e-3)
-    assert est.info["converged"]
-    assert est.stderr <= 1e-3 * abs(est.value)
-    v = ref.flatten(est.info["eigenvector"])
-    assert abs(v @ evecs[:, -1]) / np.linalg.norm(v) > 0.99
-
-
-def test_hessian_max_eigenvalue_validates():
-    case = get_case("sigmoid_mlp")
-    with pytest.raises(ValueError, match="max_iter"):
-        ks.hessian_max_eigenvalue(case.model, case.x, case.y, max_iter=0)
-    with pytest.raises(ValueError, match="tol"):
-        ks.hessian_max_eigenvalue(case.model, case.x, case.y, tol=0.0)
-
-
-# ----------------------------------------------------- fisher_diagonal ----
-@pytest.mark.parametrize("name", ["sigmoid_mlp", "relu_mlp", "softmax_onehot", "conv"])
-def test_fisher_diagonal_exact(name):
-    case = get_case(name)
-    F = ks.fisher_diagonal(case.model, case.x, kind="exact")
-    assert [f.shape for f in F] == case.shapes
-    assert all(f.dtype == np.float64 for f in F)
-    expected = case.fisher_diag_exact()
-    assert rel(F, expected) < case.tol
-    # streamed in pieces: the same average
-    assert rel(ks.fisher_diagonal(case.model, case.x, kind="exact", batch_size=6), expected) < case.tol
-
-
-@pytest.mark.parametrize("name", ["sigmoid_mlp", "relu_mlp", "softmax_onehot"])
-@pytest.mark.parametrize("num_samples,batch_size", [(1, 256), (3, 6)])
-def test_fisher_diagonal_mc_same_labels(name, num_samples, batch_size):
-    case = get_case(name)
-    F = ks.fisher_diagonal(case.model, case.x, kind="mc", num_samples=num_samples, seed=4, batch_size=batch_size)
-    labels = sampled_labels(case.probs(), num_samples, 4, batch_size)
-    assert rel(F, case.fisher_diag_mc(labels)) < case.tol
-    # a different seed draws different labels
-    G = ks.fisher_diagonal(case.model, case.x, kind="mc", num_samples=num_samples, seed=5, batch_size=batch_size)
-    assert rel(G, F) > 1e-3
-
-
-def test_fisher_diagonal_mc_is_unbiased():
-    """Many draws: every coordinate within 4.5 exact standard errors of the
-    exact Fisher (the per-coordinate variance is computed from the reference)."""
-    case = get_case("sigmoid_mlp")
-    reps = 60
-    x_rep = np.tile(case.x, (reps, 1))
-    S = 20  # 1200 labels per original example
-    F = ref.flatten(ks.fisher_diagonal(case.model, x_rep, kind="mc", num_samples=S, seed=9))
-    g2, p = case.class_gradients() ** 2, case.probs()  # (K, N, P), (N, K)
-    mean_n = np.einsum("nk,knp->np", p, g2)
-    var_n = np.einsum("nk,knp->np", p, g2**2) - mean_n**2
-    exact = mean_n.mean(0)
-    se = np.sqrt(var_n.sum(0) / (reps * S)) / N
-    z = (F - exact) / se
-    assert np.all(np.abs(z) < 4.5), np.abs(z).max()
-    assert np.abs(z).mean() < 1.2  # ~ sqrt(2/pi) = 0.8 for standard normals
-    assert rel(F, exact) < 0.05
-
-
-@pytest.mark.parametrize("name", ["sigmoid_mlp", "relu_mlp", "softmax_onehot", "conv"])
-def test_fisher_diagonal_empirical(name):
-    case = get_case(name)
-    F = ks.fisher_diagonal(case.model, case.x, case.y, kind="empirical", batch_size=6)
-    assert rel(F, case.fisher_diag_empirical()) < case.tol
-
-
-def test_fisher_diagonal_validation():
-    case = get_case("sigmoid_mlp")
-    with pytest.raises(ValueError, match="classifier"):
-        ks.fisher_diagonal(case.model, case.x, case.y, loss="mse")
-    with pytest.raises(ValueError, match="kind"):
-        ks.fisher_diagonal(case.model, case.x, case.y, kind="true")
-    with pytest.raises(ValueError, match="labels"):
-        ks.fisher_diagonal(case.model, case.x, None, kind="empirical")
-    with pytest.raises(ValueError, match="num_samples"):
-        ks.fisher_diagonal(case.model, case.x, kind="mc", num_samples=0)
-    for fn in (ks.riemannian_sharpness, ks.kfac_factors):
-        with pytest.raises(ValueError, match="classifier"):
-            fn(case.model, case.x, case.y, loss="mse")
-
-
-# ------------------------------------------ riemannian_sharpness (diag) --
-def _diag_samples(case, H, F, seed, num, damping=0.0):
-    """Explicit z^T D^{-1/2} H D^{-1/2} z, zero-Fisher coordinates excluded."""
-    Dd = F + damping * F[F > 0].mean()
-    s = np.where(Dd > 0, 1.0 / np.sqrt(np.where(Dd > 0, Dd, 1.0)), 0.0)
-    out = []
-    for z in rademacher_probes(seed, case.shapes, num):
-        w = s * ref.flatten(z)
-        out.append(w @ H @ w)
-    return np.array(out)
-
-
-@pytest.mark.parametrize("name", ["sigmoid_mlp", "relu_mlp", "conv"])
-def test_riemannian_diagonal_probe_by_probe(name):
-    case = get_case(name)
-    H, F = case.hessian(), case.fisher_diag_exact()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        est = ks.riemannian_sharpness(case.model, case.x, case.y, num_probes=8, seed=2)
-    assert rel(est.samples, _diag_samples(case, H, F, 2, 8)) < case.tol
-    assert est.info["num_params"] == case.num_params
-    assert est.info["num_nonzero_fisher"] == int((F > 0).sum())
-    assert est.info["num_excluded"] == int((F == 0).sum())
-    assert est.info["damping"] == 0.0 and est.info["damping_abs"] == 0.0
-    assert sum(est.per_layer.values()) == pytest.approx(est.value, rel=1e-12)
-
-
-def test_riemannian_diagonal_damped_and_mc_probe_by_probe():
-    case = get_case("relu_mlp")
-    H = case.hessian()
-    F = case.fisher_diag_exact()
-    est = ks.riemannian_sharpness(case.model, case.x, case.y, damping=1e-3, num_probes=6, seed=1)
-    assert rel(est.samples, _diag_samples(case, H, F, 1, 6, damping=1e-3)) < case.tol
-    assert est.info["damping_abs"] == pytest.approx(1e-3 * F[F > 0].mean(), rel=case.tol)
-    assert est.info["num_excluded"] == 0
-    # Monte-Carlo Fisher: same labels as the package draws with this seed
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        mc = ks.riemannian_sharpness(case.model, case.x, case.y, fisher="mc", num_samples=2, num_probes=6, seed=3)
-    Fmc = case.fisher_diag_mc(sampled_labels(case.probs(), 2, 3, 256))
-    assert rel(mc.samples, _diag_samples(case, H, Fmc, 3, 6)) < case.tol
-    assert mc.info["fisher"] == "mc"
-
-
-@pytest.mark.parametrize("fisher", ["exact", "mc"])
-def test_riemannian_diagonal_invariant_under_dinh_rescaling(fisher):
-    case = get_case("relu_mlp")
-    d1 = case.model.layers[0]
-    kw = dict(fisher=fisher, num_probes=10, seed=5)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            base = ks.riemannian_sharpness(case.model, case.x, case.y, **kw)
-            tr0 = np.trace(case.hessian())
-            for alpha in (0.1, 10.0):
-                case.restore()
-                rescale(case.model, d1, alpha)
-                out = ks.riemannian_sharpness(case.model, case.x, case.y, **kw)
-                assert rel(out.samples, base.samples) < INVARIANT, alpha
-                tr = np.trace(case.hessian())
-                assert max(tr / tr0, tr0 / tr) > 10.0, (alpha, tr, tr0)
-            # per-unit rescaling of the second layer, too
-            case.restore()
-            rescale(case.model, case.model.layers[1], np.array([0.05, 3.0, 1.0, 20.0, 0.2]))
-            out = ks.riemannian_sharpness(case.model, case.x, case.y, **kw)
-            assert rel(out.samples, base.samples) < INVARIANT
-    finally:
-        case.restore()
-
-
-# ----------------------------------------------------------- degeneracy --
-def test_degeneracy_on_relu_mlp():
-    case = get_case("relu_mlp")
-    H = case.hessian()
-    F = ref.flatten(ks.fisher_diagonal(case.model, case.x, kind="exact"))
-    assert rel(F, case.fisher_diag_exact()) < case.tol
-    pos = F > 0
-    count = int(pos.sum())
-    assert 0 < count < case.num_params  # the dead unit is excluded
-    assert count == int((case.fisher_diag_exact() > 0).sum())
-    assert count <= case.num_params - (D + 1 + 5)
-    ratio = float(np.sum(np.diag(H)[pos] / F[pos]))
-    assert abs(ratio - count) < (1e-8 if case.tol == EXACT else count * case.tol)
-    with pytest.warns(UserWarning, match="piecewise linear"):
-        est = ks.riemannian_sharpness(case.model, case.x, case.y, num_probes=100, seed=0)
-    assert est.info["num_nonzero_fisher"] == count
-    assert est.info["piecewise_linear"] is True
-    assert abs(est.value - count) <= 3 * est.stderr, (est, count)
-    assert est.stderr < 0.25 * count  # not vacuous
-    assert est.info["normalized"] == pytest.approx(est.value / count)
-
-
-def test_degeneracy_on_conv_relu():
-    case = get_case("conv")
-    H = case.hessian()
-    F = case.fisher_diag_exact()
-    pos = F > 0
-    assert abs(np.sum(np.diag(H)[pos] / F[pos]) - pos.sum()) < (1e-8 if case.tol == EXACT else pos.sum() * case.tol)
-    assert ks.is_piecewise_linear(case.model)
-
-
-def test_is_piecewise_linear_classification():
-    L = keras.layers
-
-    def seq(*layers, shape=(6, 6, 2)):
-        return keras.Sequential([keras.Input(shape), *layers])
-
-    assert ks.is_piecewise_linear(seq(L.Dense(4, activation="relu"), L.Dense(3, activation="softmax"), shape=(4,)))
-    assert ks.is_piecewise_linear(seq(L.Dense(4), L.LeakyReLU(), L.Dense(3), L.Softmax(), shape=(4,)))
-    assert ks.is_piecewise_linear(seq(L.Dense(4), L.ReLU(max_value=6.0), L.Dense(3), shape=(4,)))
-    assert ks.is_piecewise_linear(
-        seq(L.Conv2D(2, 2, activation="relu"), L.AveragePooling2D(2), L.Conv2D(2, 2), L.GlobalMaxPooling2D(), L.Dense(3))
-    )
-    assert not ks.is_piecewise_linear(seq(L.Dense(4, activation="tanh"), L.Dense(3), shape=(4,)))
-    assert not ks.is_piecewise_linear(seq(L.Dense(4, activation="relu"), L.BatchNormalization(), L.Dense(3), shape=(4,)))
-    assert not ks.is_piecewise_linear(seq(L.Dense(4), L.Softmax(), L.Dense(3), shape=(4,)))
-    assert not ks.is_piecewise_linear(seq(L.Dense(4, activation="softmax"), L.Dense(3), shape=(4,)))
-
-
-@pytest.mark.parametrize("name", ["sigmoid_mlp", "softmax_onehot"])
-def test_smooth_net_is_not_degenerate(name):
-    case = get_case(name)
-    H = case.hessian()
-    F = case.fisher_diag_exact()
-    pos = F > 0
-    ratio = float(np.sum(np.diag(H)[pos] / F[pos]))
-    assert abs(ratio - pos.sum()) > 0.2 * pos.sum(), ratio
-    assert not ks.is_piecewise_linear(case.model)
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
-        est = ks.riemannian_sharpness(case.model, case.x, case.y, num_probes=2)
-    assert not [w for w in rec if "piecewise linear" in str(w.message)]
-    assert est.info["piecewise_linear"] is False
-
-
-# ----------------------------------------------------------------- K-FAC --
+# ----------------------------------------------------- explicit metric ----
 def _mlp_preacts(case, eps):
     """Dense MLP forward with additive perturbations `eps` on each pre-activation:
     returns (per-layer inputs, log-probabilities)."""
@@ -613,43 +331,6 @@ def _explicit_S(nll_of_eps, eps_shapes, weights_nk):
     return out
 
 
-def _inv_sqrt(M, damping):
-    evals, evecs = np.linalg.eigh(M)
-    lam = damping * np.mean(np.clip(evals, 0, None))
-    return (evecs / np.sqrt(evals + lam)) @ evecs.T, lam
-
-
-@pytest.mark.parametrize("name", ["sigmoid_mlp", "relu_mlp"])
-@pytest.mark.parametrize("kind", ["exact", "mc", "empirical"])
-def test_kfac_factors_dense(name, kind):
-    case = get_case(name)
-    inputs, _ = _mlp_preacts(case, [0.0] * 3)
-    dense_layers = [l for l in case.model.layers if isinstance(l, keras.layers.Dense)]
-    shapes = [(N, l.units) for l in dense_layers]
-    probs = case.probs()
-    if kind == "exact":
-        weights = probs
-    elif kind == "mc":
-        labels = sampled_labels(probs, 2, 6, 6)
-        weights = np.zeros((N, K))
-        for row in labels:
-            weights[np.arange(N), row] += 0.5
-    else:
-        weights = np.eye(K)[case.labels]
-    S_ref = _explicit_S(lambda e: -_mlp_preacts(case, e)[1], shapes, weights)
-    factors = ks.kfac_factors(case.model, case.x, case.y, kind=kind, num_samples=2, seed=6, batch_size=6)
-    assert list(factors) == [l.kernel.path for l in dense_layers]
-    for layer, a, s in zip(dense_layers, inputs, S_ref):
-        A, S = factors[layer.kernel.path]
-        a = np.asarray(a)
-        assert rel(A, a.T @ a / N) < case.tol
-        assert rel(S, s) < case.tol
-    if kind == "exact":
-        # the Fisher kind really changes S (data labels differ from the model's)
-        other = ks.kfac_factors(case.model, case.x, case.y, kind="empirical")
-        assert rel(other[dense_layers[-1].kernel.path][1], factors[dense_layers[-1].kernel.path][1]) > 1e-3
-
-
 def _im2col(x, kh, kw):
     """Explicit patches of a valid, stride-1 conv: (N*positions, kh*kw*C)."""
     n, hgt, wid, c = x.shape
@@ -661,17 +342,510 @@ def _im2col(x, kh, kw):
     return np.array(rows)
 
 
+def _kind_weights(case, kind, num_samples=2, seed=6):
+    """(N, K) weights w_nk with F = 1/N sum_nk w_nk g_nk g_nk^T for the kind."""
+    probs = case.probs()
+    if kind == "exact":
+        return probs
+    if kind == "mc":
+        w = np.zeros((N, K))
+        for row in ref.hash_labels(probs, num_samples, seed):
+            w[np.arange(N), row] += 1.0 / num_samples
+        return w
+    return np.eye(K)[case.labels]
+
+
+def explicit_kfac(case, kind="exact", num_samples=2, seed=6):
+    """``{kernel path: (A, S)}`` from explicit inputs / patches and deltas."""
+    weights = _kind_weights(case, kind, num_samples, seed)
+    if case.name == "conv":
+        w = [jnp.asarray(v) for v in case.weights()]
+
+        def logp(eps):
+            z = ref.conv2d_valid(jnp.asarray(case.x), w[0], w[1]) + eps[0]
+            h = jnp.maximum(z, 0.0).reshape(N, -1)
+            return ref.log_softmax(h @ w[2] + w[3] + eps[1])
+
+        S = _explicit_S(lambda e: -logp(e), [(N, 3, 3, 2), (N, K)], weights)
+        patches = _im2col(case.x, 2, 2)
+        h = np.maximum(np.asarray(ref.conv2d_valid(jnp.asarray(case.x), w[0], w[1])), 0).reshape(N, -1)
+        A = [patches.T @ patches / patches.shape[0], h.T @ h / N]
+    else:
+        dense_layers = [l for l in case.model.layers if isinstance(l, keras.layers.Dense)]
+        inputs, _ = _mlp_preacts(case, [0.0] * 3)
+        S = _explicit_S(lambda e: -_mlp_preacts(case, e)[1], [(N, l.units) for l in dense_layers], weights)
+        A = [np.asarray(a).T @ np.asarray(a) / N for a in inputs]
+    kernels = [p for p in case.paths if p.endswith("kernel")]
+    return {p: (a, s) for p, a, s in zip(kernels, A, S)}
+
+
+def _spectral(M, damping, power, rcond):
+    evals, evecs = np.linalg.eigh((M + M.T) / 2)
+    shifted = evals + damping * evals.mean()
+    keep = shifted > rcond * max(shifted.max(), 0.0)
+    f = np.where(keep, np.where(keep, shifted, 1.0) ** -power, 0.0)
+    return (evecs * f) @ evecs.T
+
+
+def explicit_metric(case, metric, damping, kind="exact"):
+    """Explicit ``(M^-1, M^-1/2)`` of the block-diagonal Fisher metric:
+    each variable's block damped by ``damping`` times its mean eigenvalue
+    and pseudo-inverted (diagonal blocks: exact zeros excluded; Kronecker
+    blocks: eigenvalues below dim * eps of the largest dropped)."""
+    F = {"exact": case.fisher_diag_exact, "empirical": case.fisher_diag_empirical}[kind]()
+    factors = explicit_kfac(case, kind) if metric == "kfac" else {}
+    P = case.num_params
+    inv, isq = np.zeros((P, P)), np.zeros((P, P))
+    sizes = np.cumsum([0] + [int(np.prod(s)) for s in case.shapes])
+    for path, shape, a, b in zip(case.paths, case.shapes, sizes[:-1], sizes[1:]):
+        if path in factors:
+            block = np.kron(*factors[path])
+            rcond = max(int(np.prod(shape[:-1])), shape[-1]) * np.finfo(np.float64).eps
+        else:
+            block, rcond = np.diag(F[a:b]), 0.0
+        inv[a:b, a:b] = _spectral(block, damping, 1.0, rcond)
+        isq[a:b, a:b] = _spectral(block, damping, 0.5, rcond)
+    return inv, isq
+
+
+def quad(zs, M):
+    return np.array([ref.flatten(z) @ M @ ref.flatten(z) for z in zs])
+
+
+def block_traces(case, M):
+    sizes = np.cumsum([0] + [int(np.prod(s)) for s in case.shapes])
+    return {p: float(np.trace(M[a:b, a:b])) for p, a, b in zip(case.paths, sizes[:-1], sizes[1:])}
+
+
+# ------------------------------------------------------ hessian_trace ----
+@pytest.mark.parametrize("name", ["sigmoid_mlp", "relu_mlp"])
+def test_hessian_trace_unsplit_probe_by_probe_and_within_3_stderr(name):
+    case = get_case(name)
+    H = case.hessian()
+    est = ks.hessian_trace(case.model, case.x, case.y, num_probes=40, rtol=None, split=False, seed=3)
+    probes = ref.hash_probes(3, case.shapes, 40)
+    expected = quad(probes, H)
+    assert rel(est.samples, expected) < case.tol
+    assert est.num_samples == 40
+    assert est.value == pytest.approx(expected.mean(), rel=case.tol)
+    assert est.stderr == pytest.approx(expected.std(ddof=1) / math.sqrt(40), rel=case.tol)
+    assert float(est) == est.value
+    exact = np.trace(H)
+    assert abs(est.value - exact) <= 3 * est.stderr, (est, exact)
+    assert est.stderr < 0.25 * abs(exact)  # the check above is not vacuous
+    # per-layer: the diagonal blocks' shares, adding up to the value
+    assert list(est.per_layer) == case.paths
+    assert sum(est.per_layer.values()) == pytest.approx(est.value, rel=1e-12)
+    sizes = np.cumsum([0] + [int(np.prod(s)) for s in case.shapes])
+    for path, a, b in zip(case.paths, sizes[:-1], sizes[1:]):
+        blk = np.mean([ref.flatten(z)[a:b] @ (H @ ref.flatten(z))[a:b] for z in probes])
+        assert est.per_layer[path] == pytest.approx(blk, rel=case.tol, abs=1e-12)
+
+
+@pytest.mark.parametrize("name", ["relu_mlp", "conv"])
+def test_hessian_trace_is_exact_on_layerwise_linear_nets(name):
+    """tr H = tr GGN + tr(H - GGN), and the second term is zero on every
+    per-layer block of a ReLU network: no probes, no variance, no seed."""
+    case = get_case(name)
+    H = case.hessian()
+    est = ks.hessian_trace(case.model, case.x, case.y, seed=0)
+    assert est.value == pytest.approx(np.trace(H), rel=case.tol)
+    assert est.stderr == 0.0 and est.num_samples == 0
+    assert est.info["residual_exact"] is True and est.info["split"] is True
+    assert est.info["exact_part"] == est.value
+    for path, t in block_traces(case, H).items():
+        assert est.per_layer[path] == pytest.approx(t, rel=case.tol, abs=1e-12)
+    assert ks.hessian_trace(case.model, case.x, case.y, seed=9).value == est.value
+
+
+def test_hessian_trace_split_on_a_smooth_net_probe_by_probe():
+    case = get_case("sigmoid_mlp")
+    H, G = case.hessian(), case.fisher_exact()
+    est = ks.hessian_trace(case.model, case.x, case.y, num_probes=30, rtol=None, seed=5)
+    assert est.info["exact_part"] == pytest.approx(np.trace(G), rel=case.tol)
+    probes = ref.hash_probes(5, case.shapes, 30)
+    assert rel(est.samples, quad(probes, H - G)) < case.tol
+    assert est.value == pytest.approx(np.trace(G) + est.samples.mean(), rel=case.tol)
+    assert est.info["residual_exact"] is False
+    assert est.info["residual"] == pytest.approx(est.samples.mean(), rel=case.tol, abs=1e-12)
+    assert abs(est.value - np.trace(H)) <= 3 * est.stderr
+    # The split removes the GGN's share of the variance.
+    assert est.stderr < np.std(quad(probes, H), ddof=1) / math.sqrt(30)
+
+
+def test_hessian_trace_streaming_seeds_and_rtol():
+    case = get_case("sigmoid_mlp")
+    kw = dict(split=False, rtol=None)
+    a = ks.hessian_trace(case.model, case.x, case.y, num_probes=5, seed=7, **kw)
+    b = ks.hessian_trace(case.model, case.x, case.y, num_probes=5, seed=7, batch_size=6, **kw)
+    c = ks.hessian_trace(case.model, case.x, case.y, num_probes=5, seed=8, **kw)
+    assert rel(a.samples, b.samples) < case.tol
+    again = ks.hessian_trace(case.model, case.x, case.y, num_probes=5, seed=7, **kw)
+    np.testing.assert_array_equal(a.samples, again.samples)
+    assert not np.allclose(a.samples, c.samples)
+    assert a.info["num_examples"] == N
+    # rtol: rounds of num_probes until the relative stderr is met
+    loose = ks.hessian_trace(case.model, case.x, case.y, num_probes=4, rtol=0.5, max_probes=200, split=False)
+    assert loose.num_samples % 4 == 0 and loose.stderr <= 0.5 * abs(loose.value)
+    with pytest.warns(RuntimeWarning, match="max_probes"):
+        tight = ks.hessian_trace(case.model, case.x, case.y, num_probes=4, rtol=1e-9, max_probes=12, split=False)
+    assert tight.num_samples == 12
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"num_probes": 0}, "num_probes"), ({"num_probes": 2.5}, "num_probes"), ({"num_probes": True}, "num_probes"),
+    ({"rtol": -0.1}, "rtol"), ({"max_probes": 0}, "max_probes"), ({"estimator": "sketchy"}, "estimator"),
+])
+def test_hessian_trace_rejects_bad_arguments(kwargs, match):
+    case = get_case("sigmoid_mlp")
+    with pytest.raises(ValueError, match=match):
+        ks.hessian_trace(case.model, case.x, case.y, **kwargs)
+
+
+def test_hessian_trace_hutchpp_within_3_stderr():
+    case = get_case("sigmoid_mlp")
+    est = ks.hessian_trace(case.model, case.x, case.y, estimator="hutch++", num_probes=8, split=False)
+    assert est.info["estimator"] == "hutch++" and est.info["num_matvecs"] == 24
+    assert abs(est.value - np.trace(case.hessian())) <= 3 * est.stderr + 1e-9
+
+
+# --------------------------------------------------- largest eigenvalues ----
+@pytest.mark.parametrize("name", ["sigmoid_mlp", "relu_mlp", "conv"])
+def test_hessian_max_eigenvalue_matches_eigh(name):
+    case = get_case(name)
+    evals, evecs = np.linalg.eigh(case.hessian())
+    est = ks.hessian_max_eigenvalue(case.model, case.x, case.y)
+    assert est.value == pytest.approx(evals[-1], rel=1e-3)
+    assert est.info["converged"]
+    assert est.stderr <= 1e-3 * abs(est.value)
+    v = ref.flatten(est.info["eigenvector"])
+    assert abs(v @ evecs[:, -1]) / np.linalg.norm(v) > 0.99
+
+
+@pytest.mark.parametrize("name", ["sigmoid_mlp", "conv"])
+@pytest.mark.parametrize("metric", ["diagonal", "kfac"])
+def test_riemannian_max_eigenvalue_matches_eigh(name, metric):
+    case = get_case(name)
+    _, isq = explicit_metric(case, metric, 1e-2)
+    want = np.linalg.eigvalsh(isq @ case.hessian() @ isq)[-1]
+    est = ks.riemannian_max_eigenvalue(case.model, case.x, case.y, metric=metric, damping=1e-2, tol=1e-6)
+    assert est.value == pytest.approx(want, rel=1e-5)
+    assert est.info["metric"] == metric and est.info["damping"] == 1e-2
+    # Not the Euclidean one.
+    assert abs(est.value - np.linalg.eigvalsh(case.hessian())[-1]) > 0.1 * abs(want)
+
+
+def test_max_eigenvalues_validate():
+    case = get_case("sigmoid_mlp")
+    with pytest.raises(ValueError, match="max_iter"):
+        ks.hessian_max_eigenvalue(case.model, case.x, case.y, max_iter=0)
+    with pytest.raises(ValueError, match="tol"):
+        ks.hessian_max_eigenvalue(case.model, case.x, case.y, tol=0.0)
+    with pytest.raises(ValueError, match="damping"):
+        ks.riemannian_max_eigenvalue(case.model, case.x, case.y, damping=-1.0)
+    with pytest.raises(ValueError, match="classifier"):
+        ks.riemannian_max_eigenvalue(case.model, case.x, case.y, loss="mse")
+
+
+# ----------------------------------------------------- fisher_diagonal ----
+@pytest.mark.parametrize("name", ["sigmoid_mlp", "relu_mlp", "softmax_onehot", "conv"])
+def test_fisher_diagonal_exact(name):
+    case = get_case(name)
+    F = ks.fisher_diagonal(case.model, case.x, kind="exact")
+    assert [f.shape for f in F] == case.shapes
+    assert all(f.dtype == np.float64 for f in F)
+    expected = case.fisher_diag_exact()
+    assert rel(F, expected) < case.tol
+    # streamed in pieces: the same average
+    assert rel(ks.fisher_diagonal(case.model, case.x, kind="exact", batch_size=5), expected) < case.tol
+
+
+@pytest.mark.parametrize("name", ["sigmoid_mlp", "relu_mlp", "softmax_onehot", "conv"])
+@pytest.mark.parametrize("num_samples,batch_size", [(1, 256), (3, 5)])
+def test_fisher_diagonal_mc_same_labels(name, num_samples, batch_size):
+    case = get_case(name)
+    F = ks.fisher_diagonal(case.model, case.x, kind="mc", num_samples=num_samples, seed=4, batch_size=batch_size)
+    labels = ref.hash_labels(case.probs(), num_samples, 4)
+    assert rel(F, case.fisher_diag_mc(labels)) < case.tol
+    # a different seed draws different labels
+    G = ks.fisher_diagonal(case.model, case.x, kind="mc", num_samples=num_samples, seed=5, batch_size=batch_size)
+    assert rel(G, F) > 1e-3
+
+
+def test_fisher_diagonal_mc_is_unbiased():
+    """Many draws: every coordinate within 4.5 exact standard errors of the
+    exact Fisher (the per-coordinate variance is computed from the reference)."""
+    case = get_case("sigmoid_mlp")
+    reps = 60
+    x_rep = np.tile(case.x, (reps, 1))
+    S = 20  # 1200 labels per original example
+    F = ref.flatten(ks.fisher_diagonal(case.model, x_rep, kind="mc", num_samples=S, seed=9))
+    g2, p = case.class_gradients() ** 2, case.probs()  # (K, N, P), (N, K)
+    mean_n = np.einsum("nk,knp->np", p, g2)
+    var_n = np.einsum("nk,knp->np", p, g2**2) - mean_n**2
+    exact = mean_n.mean(0)
+    se = np.sqrt(var_n.sum(0) / (reps * S)) / N
+    z = (F - exact) / se
+    assert np.all(np.abs(z) < 4.5), np.abs(z).max()
+    assert np.abs(z).mean() < 1.2  # ~ sqrt(2/pi) = 0.8 for standard normals
+    assert rel(F, exact) < 0.05
+
+
+@pytest.mark.parametrize("name", ["sigmoid_mlp", "relu_mlp", "softmax_onehot", "conv"])
+def test_fisher_diagonal_empirical(name):
+    case = get_case(name)
+    F = ks.fisher_diagonal(case.model, case.x, case.y, kind="empirical", batch_size=5)
+    assert rel(F, case.fisher_diag_empirical()) < case.tol
+
+
+def test_fisher_diagonal_validation():
+    case = get_case("sigmoid_mlp")
+    with pytest.raises(ValueError, match="classifier"):
+        ks.fisher_diagonal(case.model, case.x, case.y, loss="mse")
+    with pytest.raises(ValueError, match="kind"):
+        ks.fisher_diagonal(case.model, case.x, case.y, kind="true")
+    with pytest.raises(ValueError, match="labels"):
+        ks.fisher_diagonal(case.model, case.x, None, kind="empirical")
+    with pytest.raises(ValueError, match="num_samples"):
+        ks.fisher_diagonal(case.model, case.x, kind="mc", num_samples=0)
+    for fn in (ks.riemannian_sharpness, ks.kfac_factors):
+        with pytest.raises(ValueError, match="classifier"):
+            fn(case.model, case.x, case.y, loss="mse")
+
+
+# --------------------------------------------------- riemannian_sharpness --
+@pytest.mark.parametrize("name", ["sigmoid_mlp", "relu_mlp", "conv"])
+@pytest.mark.parametrize("metric,damping", [("diagonal", 0.0), ("diagonal", None), ("kfac", None), ("kfac", 1e-2)])
+def test_riemannian_split_against_dense(name, metric, damping):
+    """Exact part = tr(M^-1 GGN); each residual probe = z^T M^-1/2 (H - GGN)
+    M^-1/2 z; the residual vanishes exactly on layerwise-linear nets."""
+    case = get_case(name)
+    H, G = case.hessian(), case.fisher_exact()
+    d = 1e-3 if damping is None else damping
+    inv, isq = explicit_metric(case, metric, d)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        est = ks.riemannian_sharpness(case.model, case.x, case.y, metric=metric, damping=damping, num_probes=8, rtol=None, seed=2)
+    # A (pseudo-)inverse of condition up to ~1/damping amplifies input errors:
+    # float64-exact models are held to 1e-7, Keras-float32 ones to 1e-5.
+    tol = 1e-7 if case.tol == EXACT else 1e-5
+    assert est.info["exact_part"] == pytest.approx(np.trace(inv @ G), rel=tol)
+    assert est.info["damping"] == d and est.info["metric"] == metric
+    if name == "sigmoid_mlp":
+        probes = ref.hash_probes(2, case.shapes, 8)
+        assert rel(est.samples, quad(probes, isq @ (H - G) @ isq)) < tol
+        assert est.value == pytest.approx(np.trace(inv @ G) + est.samples.mean(), rel=tol)
+        assert abs(est.value - np.trace(inv @ H)) <= 4 * est.stderr
+    else:
+        assert est.value == pytest.approx(np.trace(inv @ H), rel=tol)
+        assert est.stderr == 0.0 and est.num_samples == 0 and est.info["residual_exact"]
+        for path, t in block_traces(case, inv @ H).items():
+            assert est.per_layer[path] == pytest.approx(t, rel=tol, abs=1e-10)
+    assert sum(est.per_layer.values()) == pytest.approx(est.value, rel=1e-10)
+    assert est.info["num_params"] == case.num_params
+
+
+@pytest.mark.parametrize("name", ["sigmoid_mlp", "conv"])
+@pytest.mark.parametrize("metric", ["diagonal", "kfac"])
+def test_riemannian_unsplit_probe_by_probe(name, metric):
+    case = get_case(name)
+    _, isq = explicit_metric(case, metric, 1e-3)
+    est = ks.riemannian_sharpness(case.model, case.x, case.y, metric=metric, split=False, num_probes=6, rtol=None, seed=4)
+    expected = quad(ref.hash_probes(4, case.shapes, 6), isq @ case.hessian() @ isq)
+    assert rel(est.samples, expected) < (1e-7 if case.tol == EXACT else 1e-5)
+    assert est.info["split"] is False
+
+
+def test_riemannian_empirical_metric():
+    case = get_case("sigmoid_mlp")
+    inv, _ = explicit_metric(case, "diagonal", 1e-3, kind="empirical")
+    est = ks.riemannian_sharpness(case.model, case.x, case.y, fisher="empirical", num_probes=4, rtol=None)
+    assert est.info["exact_part"] == pytest.approx(np.trace(inv @ case.fisher_exact()), rel=1e-7 if case.tol == EXACT else 1e-5)
+    assert est.info["fisher"] == "empirical"
+
+
+def test_riemannian_reports_excluded_parameters():
+    case = get_case("relu_mlp")  # one dead unit: zero Fisher for its weights
+    F = case.fisher_diag_exact()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        est = ks.riemannian_sharpness(case.model, case.x, case.y, damping=0.0)
+    assert est.info["num_nonzero_fisher"] == int((F > 0).sum())
+    assert est.info["num_excluded"] == int((F == 0).sum()) > 0
+    assert "pseudo-inverse" in est.info["inverse"]
+    damped = ks.riemannian_sharpness(case.model, case.x, case.y)
+    assert damped.info["num_excluded"] == 0 and damped.info["inverse"] == "damped inverse"
+
+
+@pytest.mark.parametrize("name", ["relu_mlp", "conv"])
+@pytest.mark.parametrize("metric", ["diagonal", "kfac"])
+def test_default_riemannian_sharpness_does_not_depend_on_the_seed(name, metric):
+    case = get_case(name)
+    values = [ks.riemannian_sharpness(case.model, case.x, case.y, metric=metric, seed=s).value for s in (0, 1, 123)]
+    assert values[0] == values[1] == values[2]
+
+
+@pytest.mark.parametrize("metric,damping", [("diagonal", 0.0), ("diagonal", None), ("kfac", None)])
+def test_riemannian_invariant_under_dinh_rescaling(metric, damping):
+    """Rescaling a layer by alpha (and the next by 1/alpha) leaves S_R
+    unchanged to 1e-6: the undamped diagonal one also under per-unit
+    rescalings; damped ones because damping is relative to each block's own
+    scale. tr H changes by more than 10x."""
+    case = get_case("relu_mlp")
+    d1 = case.model.layers[0]
+    kw = dict(metric=metric, damping=damping)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            base = ks.riemannian_sharpness(case.model, case.x, case.y, **kw).value
+            tr0 = np.trace(case.hessian())
+            for alpha in (0.1, 10.0):
+                case.restore()
+                rescale(case.model, d1, alpha)
+                out = ks.riemannian_sharpness(case.model, case.x, case.y, **kw).value
+                assert out == pytest.approx(base, rel=INVARIANT), alpha
+                tr = np.trace(case.hessian())
+                assert max(tr / tr0, tr0 / tr) > 10.0, (alpha, tr, tr0)
+            if damping == 0.0:
+                case.restore()
+                rescale(case.model, case.model.layers[1], np.array([0.05, 3.0, 1.0, 20.0, 0.2]))
+                out = ks.riemannian_sharpness(case.model, case.x, case.y, **kw).value
+                assert out == pytest.approx(base, rel=INVARIANT)
+    finally:
+        case.restore()
+
+
+@pytest.mark.parametrize("fisher", ["exact", "mc"])
+def test_riemannian_probes_invariant_under_dinh_rescaling(fisher):
+    """The symmetric probe form: every probe of the undamped diagonal S_R on
+    all of H (split=False) is unchanged by per-coordinate rescalings, with
+    Monte-Carlo labels too (fixed seed)."""
+    case = get_case("relu_mlp")
+    kw = dict(fisher=fisher, damping=0.0, split=False, num_probes=10, rtol=None, seed=5)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            base = ks.riemannian_sharpness(case.model, case.x, case.y, **kw)
+            for alpha in (0.1, 10.0):
+                case.restore()
+                rescale(case.model, case.model.layers[0], alpha)
+                out = ks.riemannian_sharpness(case.model, case.x, case.y, **kw)
+                assert rel(out.samples, base.samples) < INVARIANT, alpha
+            case.restore()
+            rescale(case.model, case.model.layers[1], np.array([0.05, 3.0, 1.0, 20.0, 0.2]))
+            out = ks.riemannian_sharpness(case.model, case.x, case.y, **kw)
+            assert rel(out.samples, base.samples) < INVARIANT
+    finally:
+        case.restore()
+
+
+# ----------------------------------------------------------- degeneracy --
+def test_degeneracy_on_relu_mlp():
+    case = get_case("relu_mlp")
+    H = case.hessian()
+    F = ref.flatten(ks.fisher_diagonal(case.model, case.x, kind="exact"))
+    assert rel(F, case.fisher_diag_exact()) < case.tol
+    pos = F > 0
+    count = int(pos.sum())
+    assert 0 < count < case.num_params  # the dead unit is excluded
+    assert count == int((case.fisher_diag_exact() > 0).sum())
+    assert count <= case.num_params - (D + 1 + 5)
+    ratio = float(np.sum(np.diag(H)[pos] / F[pos]))
+    assert abs(ratio - count) < (1e-8 if case.tol == EXACT else count * case.tol)
+    with pytest.warns(UserWarning, match="piecewise linear"):
+        est = ks.riemannian_sharpness(case.model, case.x, case.y, damping=0.0)
+    # exact now: the residual is zero, the GGN part counts the parameters
+    assert est.value == pytest.approx(count, rel=case.tol)
+    assert est.stderr == 0.0
+    assert est.info["num_nonzero_fisher"] == count
+    assert est.info["piecewise_linear"] is True
+    assert est.info["normalized"] == pytest.approx(est.value / count)
+
+
+def test_degeneracy_on_conv_relu():
+    case = get_case("conv")
+    H = case.hessian()
+    F = case.fisher_diag_exact()
+    pos = F > 0
+    assert abs(np.sum(np.diag(H)[pos] / F[pos]) - pos.sum()) < (1e-8 if case.tol == EXACT else pos.sum() * case.tol)
+    assert ks.is_piecewise_linear(case.model)
+
+
+def test_is_piecewise_linear_classification():
+    L = keras.layers
+
+    def seq(*layers, shape=(6, 6, 2)):
+        return keras.Sequential([keras.Input(shape), *layers])
+
+    assert ks.is_piecewise_linear(seq(L.Dense(4, activation="relu"), L.Dense(3, activation="softmax"), shape=(4,)))
+    assert ks.is_piecewise_linear(seq(L.Dense(4), L.LeakyReLU(), L.Dense(3), L.Softmax(), shape=(4,)))
+    assert ks.is_piecewise_linear(seq(L.Dense(4), L.ReLU(max_value=6.0), L.Dense(3), shape=(4,)))
+    assert ks.is_piecewise_linear(
+        seq(L.Conv2D(2, 2, activation="relu"), L.AveragePooling2D(2), L.Conv2D(2, 2), L.GlobalMaxPooling2D(), L.Dense(3))
+    )
+    assert not ks.is_piecewise_linear(seq(L.Dense(4, activation="tanh"), L.Dense(3), shape=(4,)))
+    assert not ks.is_piecewise_linear(seq(L.Dense(4, activation="relu"), L.BatchNormalization(), L.Dense(3), shape=(4,)))
+    assert not ks.is_piecewise_linear(seq(L.Dense(4), L.Softmax(), L.Dense(3), shape=(4,)))
+    assert not ks.is_piecewise_linear(seq(L.Dense(4, activation="softmax"), L.Dense(3), shape=(4,)))
+    # layerwise linear: BatchNorm in inference mode is an affine map
+    bn = seq(L.Conv2D(2, 2), L.BatchNormalization(), L.ReLU(), L.Flatten(), L.Dense(3))
+    assert ks.is_layerwise_linear(bn) and not ks.is_layerwise_linear(bn, training=True)
+    assert not ks.is_layerwise_linear(seq(L.Dense(4, activation="gelu"), L.Dense(3), shape=(4,)))
+    # a layer applied twice is not linear in its weights; nor is a raw op
+    inp = keras.Input((4,))
+    shared = L.Dense(4, activation="relu")
+    assert not ks.is_layerwise_linear(keras.Model(inp, L.Dense(3)(shared(shared(inp)))))
+    inp = keras.Input((4,))
+    h = L.Dense(4)(inp)
+    assert not ks.is_layerwise_linear(keras.Model(inp, L.Dense(3)(keras.ops.multiply(h, h))))
+
+
+@pytest.mark.parametrize("name", ["sigmoid_mlp", "softmax_onehot"])
+def test_smooth_net_is_not_degenerate(name):
+    case = get_case(name)
+    H = case.hessian()
+    F = case.fisher_diag_exact()
+    pos = F > 0
+    ratio = float(np.sum(np.diag(H)[pos] / F[pos]))
+    assert abs(ratio - pos.sum()) > 0.2 * pos.sum(), ratio
+    assert not ks.is_piecewise_linear(case.model)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        est = ks.riemannian_sharpness(case.model, case.x, case.y, damping=0.0, num_probes=2, rtol=None)
+    assert not [w for w in rec if "piecewise linear" in str(w.message)]
+    assert est.info["piecewise_linear"] is False
+
+
+# ----------------------------------------------------------------- K-FAC --
+@pytest.mark.parametrize("name", ["sigmoid_mlp", "relu_mlp", "conv"])
+@pytest.mark.parametrize("kind", ["exact", "mc", "empirical"])
+def test_kfac_factors_against_explicit(name, kind):
+    case = get_case(name)
+    want = explicit_kfac(case, kind, num_samples=2, seed=6)
+    factors = ks.kfac_factors(case.model, case.x, case.y, kind=kind, num_samples=2, seed=6, batch_size=5)
+    assert list(factors) == list(want)
+    for path, (A, S) in want.items():
+        assert rel(factors[path][0], A) < case.tol
+        assert rel(factors[path][1], S) < case.tol
+    if kind == "exact":
+        # the Fisher kind really changes S (data labels differ from the model's)
+        other = ks.kfac_factors(case.model, case.x, case.y, kind="empirical")
+        last = list(want)[-1]
+        assert rel(other[last][1], factors[last][1]) > 1e-3
+
+
 @pytest.mark.parametrize(
     "kernel_size,strides,padding,dilation",
     [((2, 2), 1, "valid", 1), ((3, 2), 2, "same", 1), ((2, 3), 1, "valid", 2), ((3, 3), (2, 1), "same", 1)],
 )
-def test_kfac_patches_match_kernel_gradient(kernel_size, strides, padding, dilation):
+def test_conv_patches_match_kernel_gradient(kernel_size, strides, padding, dilation):
     """For one example, the kernel gradient reshaped (kh*kw*cin, cout) equals
-    sum_t a_t delta_t^T with a_t the rows of _patches and delta_t the output
-    gradients at position t (row-major): the patch ordering matches the kernel."""
+    sum_t a_t delta_t^T with a_t the rows of the rule's patches and delta_t
+    the output gradients at position t: the patch ordering matches the kernel."""
     rng = np.random.default_rng(21)
     cin, cout = 2, 3
     layer = keras.layers.Conv2D(cout, kernel_size, strides=strides, padding=padding, dilation_rate=dilation)
+    layer.build((None, 7, 6, cin))
     x = rng.normal(size=(1, 7, 6, cin))
     kernel = rng.normal(size=kernel_size + (cin, cout))
     st = (strides, strides) if isinstance(strides, int) else strides
@@ -690,77 +864,13 @@ def test_kfac_patches_match_kernel_gradient(kernel_size, strides, padding, dilat
         return jnp.sum(jnp.tanh(z) * target)
 
     gk, delta = jax.grad(f, argnums=(0, 1))(jnp.asarray(kernel), jnp.zeros(out_shape))
-    patches = kfac_mod._patches(layer, x)
-    deltas = kfac_mod._deltas(layer, np.asarray(delta))[0]
+    rule = ConvRule(layer)
+    patches = ref.to_numpy(rule.rows(keras.ops.convert_to_tensor(x)))[0]
+    deltas = ref.to_numpy(rule.delta_rows(keras.ops.convert_to_tensor(np.asarray(delta)[None])))[0, 0]
     assert patches.shape == (deltas.shape[0], int(np.prod(kernel_size)) * cin)
     assert rel(patches.T @ deltas, np.asarray(gk).reshape(-1, cout)) < 1e-12
     # and the patches produce the convolution itself
     assert rel(patches @ kernel.reshape(-1, cout), np.asarray(conv(jnp.asarray(kernel), jnp.asarray(x))).reshape(-1, cout)) < 1e-12
-
-
-def test_kfac_factors_conv():
-    case = get_case("conv")
-    conv, dense = case.model.layers[0], case.model.layers[2]
-    w = [jnp.asarray(v) for v in case.weights()]
-
-    def logp(eps):
-        z = ref.conv2d_valid(jnp.asarray(case.x), w[0], w[1]) + eps[0]
-        h = jnp.maximum(z, 0.0).reshape(N, -1)
-        return ref.log_softmax(h @ w[2] + w[3] + eps[1])
-
-    S_ref = _explicit_S(lambda e: -logp(e), [(N, 3, 3, 2), (N, K)], case.probs())
-    factors = ks.kfac_factors(case.model, case.x, case.y, kind="exact", batch_size=6)
-    A, S = factors[conv.kernel.path]
-    patches = _im2col(case.x, 2, 2)
-    assert rel(A, patches.T @ patches / patches.shape[0]) < case.tol
-    assert rel(S, S_ref[0]) < case.tol
-    h = np.maximum(np.asarray(ref.conv2d_valid(jnp.asarray(case.x), w[0], w[1])), 0).reshape(N, -1)
-    A2, S2 = factors[dense.kernel.path]
-    assert rel(A2, h.T @ h / N) < case.tol
-    assert rel(S2, S_ref[1]) < case.tol
-
-
-@pytest.mark.parametrize("name", ["sigmoid_mlp", "relu_mlp", "conv"])
-@pytest.mark.parametrize("damping", [None, 1e-2])
-def test_riemannian_kfac_probe_by_probe(name, damping):
-    case = get_case(name)
-    H = case.hessian()
-    F = case.fisher_diag_exact()
-    kdamp = 1e-3 if damping is None else damping
-    factors = ks.kfac_factors(case.model, case.x, case.y, kind="exact")
-    # The factors themselves are checked against explicit formulas above;
-    # here the transform built from them is rebuilt independently.
-    transforms, lams = [], {}
-    sizes = np.cumsum([0] + [int(np.prod(s)) for s in case.shapes])
-    for path, shape, a, b in zip(case.paths, case.shapes, sizes[:-1], sizes[1:]):
-        if path in factors:
-            Ai, la = _inv_sqrt(factors[path][0], kdamp)
-            Si, ls = _inv_sqrt(factors[path][1], kdamp)
-            lams[path] = (la, ls)
-            transforms.append(lambda z, Ai=Ai, Si=Si, shape=shape: (Ai @ z.reshape(-1, shape[-1]) @ Si).ravel())
-        else:
-            f = F[a:b]
-            s = np.where(f > 0, 1.0 / np.sqrt(np.where(f > 0, f, 1.0)), 0.0)
-            transforms.append(lambda z, s=s: s * z.ravel())
-    expected = []
-    for z in rademacher_probes(4, case.shapes, 6):
-        wv = np.concatenate([t(zz) for t, zz in zip(transforms, z)])
-        expected.append(wv @ H @ wv)
-    est = ks.riemannian_sharpness(case.model, case.x, case.y, metric="kfac", damping=damping, num_probes=6, seed=4)
-    # The inverse square roots of the damped factors (condition numbers up to
-    # ~1/damping) amplify input errors: float64-exact models are held to
-    # EXACT; where Keras runs the model in float32 to 1e-5 (observed 1.3e-6).
-    assert rel(est.samples, np.array(expected)) < (EXACT if case.tol == EXACT else 1e-5)
-    info = est.info
-    assert info["metric"] == "kfac"
-    assert info["damping"] == kdamp
-    kernels = [l.kernel.path for l in case.model.layers if isinstance(l, (keras.layers.Dense, keras.layers.Conv2D))]
-    assert info["kfac_layers"] == kernels
-    assert info["diagonal_fallback"] == [p for p in case.paths if p not in kernels]
-    for p, (la, ls) in lams.items():
-        assert info["kfac_damping_abs"][p]["A"] == pytest.approx(la, rel=1e-10)
-        assert info["kfac_damping_abs"][p]["S"] == pytest.approx(ls, rel=1e-10)
-    assert info["diagonal_fallback_damping"] == 0.0
 
 
 # ----------------------------------------------------------------- exact --
@@ -794,7 +904,7 @@ def test_riemannian_exact_matches_pinv(fisher, damping):
         assert "pseudo-inverse" in est.info["inverse"]
         assert est.info["fisher_rank"] == np.linalg.matrix_rank(G, hermitian=True)
     # dense_fisher is the matrix behind it
-    Gp = ks.dense_fisher(case.model, case.x, case.y, kind=fisher, batch_size=6)
+    Gp = ks.dense_fisher(case.model, case.x, case.y, kind=fisher, batch_size=5)
     assert rel(Gp, G) < case.tol
 
 
@@ -814,6 +924,24 @@ def test_riemannian_validation():
         ks.riemannian_sharpness(case.model, case.x, case.y, damping=-1.0)
     with pytest.raises(ValueError, match="num_probes"):
         ks.riemannian_sharpness(case.model, case.x, case.y, num_probes=0)
+    with pytest.raises(ValueError, match="estimator"):
+        ks.riemannian_sharpness(case.model, case.x, case.y, estimator="xtrace")
+
+
+@pytest.mark.parametrize("fn", ["hessian_trace", "riemannian_sharpness", "hessian_max_eigenvalue", "riemannian_max_eigenvalue", "fisher_diagonal"])
+def test_bad_data_gets_a_clear_error(fn):
+    case = get_case("sigmoid_mlp")
+    f = getattr(ks, fn)
+    with pytest.raises(ValueError, match="differ in length"):
+        f(case.model, case.x, case.y[:-1]) if fn != "fisher_diagonal" else f(case.model, case.x, case.y[:-1], kind="empirical")
+    bad = case.x.copy()
+    bad[3, 1] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        f(case.model, bad, case.y)
+    unbuilt = keras.Sequential([keras.layers.Dense(3)])
+    unbuilt.compile(loss=_sparse_ce())
+    with pytest.raises(ValueError, match="not built"):
+        f(unbuilt, case.x, case.y)
 
 
 # ------------------------------------------------------------ alignment --
@@ -894,8 +1022,8 @@ def test_estimate_repr_and_float():
     case = get_case("relu_mlp")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        est = ks.riemannian_sharpness(case.model, case.x, case.y, num_probes=3)
+        est = ks.riemannian_sharpness(case.model, case.x, case.y, damping=0.0)
     assert "nonzero_fisher=" in repr(est)
     assert float(est) == est.value
-    one = ks.hessian_trace(case.model, case.x, case.y, num_probes=1)
-    assert math.isnan(one.stderr) and one.num_samples == 1
+    one = ks.hessian_trace(case.model, case.x, case.y, num_probes=1, rtol=None, split=False)
+    assert math.isnan(one.stderr)

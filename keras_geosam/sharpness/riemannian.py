@@ -1,251 +1,148 @@
-"""Riemannian (Fisher-geometric) sharpness S_R = tr(G^{-1} H).
+"""Riemannian (Fisher-geometric) sharpness S_R = tr(M^{-1} H).
 
-Three metrics G:
+Metrics M (``metric=``):
 
-- ``"diagonal"`` (the paper's estimator): G ~ D = diag(Fisher). Estimated by
-  the *symmetric* Hutchinson form ``z^T D^{-1/2} H D^{-1/2} z``: same
-  expectation as ``z^T D^{-1} H z``, but each probe is unchanged by any
-  positive per-parameter rescaling (Dinh et al.'s), so the estimate is
-  reparametrisation-invariant probe by probe.
-- ``"kfac"``: Dense/Conv kernels get K-FAC blocks ``A (x) S`` (inverse square
-  root ``A^{-1/2} (x) S^{-1/2}``, one HVP per probe); every other variable a
-  diagonal block.
-- ``"exact"``: dense Fisher and Hessian for small models; pseudo-inverse
-  (``damping=0``) or ``(G + lambda I)^{-1}``.
+- ``"diagonal"`` (the paper's estimator): M = diag(Fisher);
+- ``"kfac"``: K-FAC blocks on Dense/Conv/EinsumDense kernels, diagonal
+  blocks elsewhere;
+- ``"exact"``: the dense Fisher, for small models.
+
+For the first two (``sharpness/metric.py``), S_R is split as
+``tr(M^-1 GGN) + tr(M^-1 (H - GGN))`` (``sharpness/trace.py``): the first
+term exactly, with no probes; the second by Hutchinson on the symmetric
+form ``z^T M^-1/2 (H - GGN) M^-1/2 z`` (each probe unchanged by positive
+per-parameter rescalings of the undamped diagonal metric), and exactly zero
+on layerwise-linear networks. ``split=False`` estimates the whole of
+``M^-1/2 H M^-1/2`` by probes instead.
 
 Caveat for piecewise-linear networks (ReLU/LeakyReLU, no normalisation,
 softmax cross-entropy): the network is linear in every single parameter, so
-``diag H = diag F_exact`` and the undamped diagonal S_R has expectation equal
-to the number of parameters with nonzero Fisher, whatever the minimum. The
-result reports that count (``info["num_nonzero_fisher"]``) and the value per
-counted parameter (``info["normalized"]``), and a warning is issued.
+``diag H = diag F_exact`` and the undamped diagonal S_R equals the number of
+parameters with nonzero Fisher, whatever the minimum. The result reports
+that count (``info["num_nonzero_fisher"]``) and the value per counted
+parameter (``info["normalized"]``), and a warning is issued.
 """
 
 import warnings
 
-import keras
 import numpy as np
+from keras import ops
 
 from keras_geosam.curvature.functional import model_functions
-from keras_geosam.curvature.functional import progbar
 from keras_geosam.curvature.losses import require_classifier
+from keras_geosam.curvature.operators import EKFAC
+from keras_geosam.curvature.operators import GGN
+from keras_geosam.curvature.operators import Hessian
+from keras_geosam.estimators import Estimate
 from keras_geosam.sharpness import _common
-from keras_geosam.sharpness import kfac as _kfac
-from keras_geosam.sharpness.estimate import Estimate
-from keras_geosam.sharpness.estimate import from_samples
-from keras_geosam.sharpness.fisher import check_kind
-from keras_geosam.sharpness.fisher import fisher_diagonal
-from keras_geosam.sharpness.fisher import label_passes
+from keras_geosam.sharpness.linearity import is_piecewise_linear
+from keras_geosam.sharpness.metric import fisher_metric
+from keras_geosam.sharpness.trace import check_estimator
+from keras_geosam.sharpness.trace import split_trace
+from keras_geosam.sharpness.trace import stochastic_trace
 
 METRICS = ("diagonal", "kfac", "exact")
-_HOMOGENEOUS = ("relu", "leaky_relu", "linear")
+# Relative damping by default: a thousandth of each block's mean Fisher
+# eigenvalue bounds M^-1 where the Fisher is tiny but not zero.
+DEFAULT_DAMPING = 1e-3
 
 
-def is_piecewise_linear(model):
-    """True when every layer is piecewise linear in each single parameter:
-    ReLU/LeakyReLU/linear activations, no normalisation or other nonlinearity.
-    Softmax outputs are allowed (they belong to the loss)."""
-    linear_types = (
-        keras.layers.Dense, keras.layers.Conv1D, keras.layers.Conv2D,
-        keras.layers.Flatten, keras.layers.Reshape, keras.layers.Dropout,
-        keras.layers.MaxPooling1D, keras.layers.MaxPooling2D,
-        keras.layers.AveragePooling1D, keras.layers.AveragePooling2D,
-        keras.layers.GlobalAveragePooling1D, keras.layers.GlobalAveragePooling2D,
-        keras.layers.GlobalMaxPooling1D, keras.layers.GlobalMaxPooling2D,
-        keras.layers.LeakyReLU, keras.layers.InputLayer,
-        keras.layers.Add, keras.layers.Concatenate,
-    )
-    layers = list(model._flatten_layers(include_self=False))
-    for i, layer in enumerate(layers):
-        if isinstance(layer, keras.layers.ReLU):
-            # max_value / threshold make it not piecewise linear *through 0*,
-            # but it stays piecewise linear in every single parameter.
-            continue
-        if isinstance(layer, keras.layers.Softmax) and i == len(layers) - 1:
-            continue  # belongs to the loss
-        if isinstance(layer, keras.layers.Activation):
-            name = getattr(layer.activation, "__name__", "")
-            if name not in _HOMOGENEOUS and not (name == "softmax" and i == len(layers) - 1):
-                return False
-            continue
-        if not isinstance(layer, linear_types):
-            if isinstance(layer, (keras.Model, keras.layers.Layer)) and list(layer._flatten_layers(include_self=False)):
-                continue  # containers: their children are checked
-            return False
-        act = getattr(layer, "activation", None)
-        if act is not None:
-            name = getattr(act, "__name__", "")
-            if name not in _HOMOGENEOUS and not (name == "softmax" and i == len(layers) - 1):
-                return False
-    return True
+def _to_numpy(t):
+    return np.asarray(ops.convert_to_numpy(t), dtype="float64")
+
+
+def _metric_info(M, Minv, metric):
+    """Parameter counts of the metric: nonzero Fisher, excluded (pseudo-inverse)."""
+    num_params = int(sum(int(np.prod(s)) for s in M.shapes))
+    nonzero, excluded = 0, 0
+    for b, bi in zip(M.blocks, Minv.blocks):
+        if isinstance(bi, EKFAC):
+            excluded += int((_to_numpy(bi.s) == 0).sum())
+            nonzero += int((_to_numpy(b.diagonal()[0]) > 0).sum())
+        else:
+            excluded += int((_to_numpy(bi.values[0]) == 0).sum())
+            nonzero += int((_to_numpy(b.values[0]) > 0).sum())
+    return {"num_params": num_params, "num_nonzero_fisher": nonzero, "num_excluded": excluded}
 
 
 def riemannian_sharpness(
-    model,
-    x,
-    y,
-    metric="diagonal",
-    fisher="exact",
-    damping=None,
-    num_probes=20,
-    num_samples=1,
-    seed=0,
-    batch_size=_common.DEFAULT_BATCH_SIZE,
-    max_params=4000,
-    rcond=None,
-    loss=None,
-    verbose=0,
+    model, x, y, metric="diagonal", fisher="exact", damping=None, num_probes=10, rtol=0.05, max_probes=100,
+    num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, split=True, estimator="hutchinson",
+    max_params=4000, rcond=None, loss=None, verbose=0,
 ):
-    """Riemannian sharpness ``S_R = tr(G^{-1} H)`` at the model's weights.
+    """Riemannian sharpness ``S_R = tr(M^-1 H)`` at the model's weights.
 
     Args:
         model: a built classifier (categorical cross-entropy on logits or
             softmax outputs).
-        x, y: data (streamed in `batch_size` pieces; `y` is needed for H).
+        x, y: data (streamed in `batch_size` pieces).
         metric: ``"diagonal"`` | ``"kfac"`` | ``"exact"`` (module doc).
-        fisher: Fisher kind behind G: ``"exact"`` | ``"mc"`` | ``"empirical"``.
-        damping: relative damping. Diagonal: ``D + damping * mean(D_nonzero)``
-            (default 0: parameters with zero Fisher are excluded and counted);
-            kfac: each factor gets ``damping * mean eigenvalue`` (default
-            1e-3), while variables without a K-FAC block (biases, other
-            layers) keep the undamped diagonal block with zero-Fisher
-            coordinates excluded (``info["diagonal_fallback_damping"]``);
-            exact: ``G + damping * mean eig(G) I`` (default 0: the
-            pseudo-inverse). The absolute value used is reported in `info`.
-        num_probes: Rademacher probes (diagonal and kfac).
+        fisher: Fisher kind behind M: ``"exact"`` | ``"mc"`` | ``"empirical"``.
+        damping: relative damping of each block of M (see
+            ``sharpness/metric.py``; default 1e-3, 0 for ``"exact"``);
+            ``damping=0`` is a pseudo-inverse that excludes zero-Fisher
+            directions (counted in ``info["num_excluded"]``).
+        num_probes, rtol, max_probes: probes for the residual (first round;
+            more until ``stderr <= rtol * |S_R|`` or `max_probes`). None of
+            them are drawn when the residual is exactly zero.
         num_samples: labels per example for ``fisher="mc"``.
-        seed: seeds label draws and probes (NumPy; same on every backend).
+        seed: seeds label draws and probes (the same on every backend).
+        split: exact GGN part plus residual (default) or probes on all of H.
+        estimator: ``"hutchinson"`` or ``"hutch++"`` for the probed part.
         max_params: refuse ``metric="exact"`` above this many parameters.
-        rcond: ``metric="exact"`` pseudo-inverse cutoff relative to the
-            largest Fisher eigenvalue (default: ten machine epsilons of the
-            model's dtype, at least dim * float64 epsilon).
+        rcond: pseudo-inverse cutoff relative to each block's largest
+            eigenvalue (default: 0 for diagonal blocks; dimension times the
+            dtype's epsilon for Kronecker blocks; for ``"exact"`` ten machine
+            epsilons of the model's dtype).
 
     Returns:
-        An :class:`Estimate` with ``info`` describing the metric, damping and
-        excluded parameters.
+        An :class:`Estimate`; ``info`` holds the metric, damping, excluded
+        parameters and which parts were exact (``exact_part``, ``residual``,
+        ``residual_exact``).
     """
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}.")
-    check_kind(fisher)
     num_probes = _common.check_positive_int("num_probes", num_probes)
+    _common.check_rtol(rtol, max_probes)
+    check_estimator(estimator)
     if damping is not None and not damping >= 0:
         raise ValueError(f"damping must be >= 0, got {damping!r}.")
     fns = model_functions(model, loss, training=False)
     require_classifier(fns.spec, "riemannian_sharpness")
+    _common.warn_if_tiny(x)
     if metric == "exact":
         return _exact(model, fns, x, y, fisher, damping or 0.0, num_samples, seed, batch_size, max_params, loss, rcond)
-
-    variables = fns.variables
-    paths = fns.paths
-    shapes = [tuple(v.shape) for v in variables]
-    D = fisher_diagonal(model, x, y, kind=fisher, num_samples=num_samples, seed=seed, batch_size=batch_size, loss=loss)
-    flat = np.concatenate([d.ravel() for d in D])
-    nonzero = flat > 0
-    num_nonzero = int(nonzero.sum())
-    if num_nonzero == 0:
-        raise ValueError("The Fisher diagonal is zero everywhere: S_R is undefined.")
-    scale = float(flat[nonzero].mean())
-    diag_damping = 0.0 if (damping is None or metric == "kfac") else float(damping)
-    lam = diag_damping * scale
-    inv_sqrt = [np.where((d + lam) > 0, 1.0 / np.sqrt(np.where((d + lam) > 0, d + lam, 1.0)), 0.0) for d in D]
-    info = _common.data_info(x, batch_size)
-    info.update(
-        metric=metric,
-        fisher=fisher,
-        num_params=int(flat.size),
-        num_nonzero_fisher=num_nonzero,
-        fisher_scale=scale,
-    )
-
-    transforms = [lambda z, s=s: s * z for s in inv_sqrt]
-    if metric == "kfac":
-        kdamp = 1e-3 if damping is None else float(damping)
-        factors = _kfac.kfac_factors(model, x, y, kind=fisher, num_samples=num_samples, seed=seed, batch_size=batch_size, loss=loss)
-        used = {}
-        for j, path in enumerate(paths):
-            if path in factors:
-                A, S = factors[path]
-                Ai, la = _kfac.inverse_sqrt(A, kdamp)
-                Si, ls = _kfac.inverse_sqrt(S, kdamp)
-                used[path] = (la, ls)
-                shape = shapes[j]
-                transforms[j] = lambda z, Ai=Ai, Si=Si, shape=shape: (Ai @ z.reshape(-1, shape[-1]) @ Si).reshape(shape)
-        info.update(
-            damping=kdamp,
-            kfac_damping_abs={p: {"A": a, "S": s} for p, (a, s) in used.items()},
-            kfac_layers=list(used),
-            diagonal_fallback=[p for p in paths if p not in used],
-            # Variables without a K-FAC block (biases, other layers) get the
-            # undamped diagonal block, zero-Fisher coordinates excluded.
-            diagonal_fallback_damping=0.0,
-        )
-        excluded = int(sum((inv_sqrt[j] == 0).sum() for j, p in enumerate(paths) if p not in used))
+    damping = DEFAULT_DAMPING if damping is None else float(damping)
+    M = fisher_metric(model, x, y, metric, fisher, num_samples, seed, batch_size, loss)
+    Minv = M.inverse(damping, relative=True, rcond=rcond)
+    Mis = M.inverse_sqrt(damping, relative=True, rcond=rcond)
+    info = {"metric": metric, "fisher": fisher, "damping": damping, "damping_relative_to": "each block's mean eigenvalue"}
+    info.update(_metric_info(M, Minv, metric))
+    if split:
+        est = split_trace(model, x, y, Minv, Mis, num_probes, rtol, max_probes, estimator, seed, batch_size, loss, verbose)
     else:
-        info.update(damping=diag_damping, damping_abs=lam)
-        excluded = int(sum((s == 0).sum() for s in inv_sqrt))
-    info["num_excluded"] = excluded
-    info["inverse"] = "pseudo-inverse (zero-Fisher parameters excluded)" if (metric == "diagonal" and lam == 0) else "damped inverse"
-
-    rng = np.random.default_rng(seed)
-    matvec = _common.hessian_matvec(model, x, y, loss, batch_size)
-
-    def probe(i):
-        z = _common.rademacher(rng, shapes)
-        return [t(zz) for t, zz in zip(transforms, z)]
-
-    bar = progbar(num_probes, verbose, "probe")
-    samples, per_layer = _common.quadratic_probes(matvec, probe, num_probes, paths, bar)
-    est = from_samples(samples, per_layer, info)
-    counted = info["num_params"] - excluded
+        op = Mis @ Hessian(model, x, y, loss=loss, batch_size=batch_size) @ Mis
+        est = stochastic_trace(op, estimator, num_probes, rtol, max_probes, seed, 0.0, fns.paths, verbose)
+        est.info.update(_common.data_info(x, batch_size), split=False)
+    est.info.update(info)
+    est.info["inverse"] = "pseudo-inverse (zero-Fisher directions excluded)" if damping == 0 else "damped inverse"
+    counted = info["num_params"] - info["num_excluded"]
     est.info["normalized"] = est.value / max(counted, 1)
     pl = is_piecewise_linear(model)
     est.info["piecewise_linear"] = pl
-    if pl and metric == "diagonal" and lam == 0:
+    if pl and metric == "diagonal" and damping == 0 and fisher == "exact":
         warnings.warn(
             f"{model.name} is piecewise linear in each parameter (ReLU-type "
             f"activations, no normalisation), so diag H equals the exact "
-            f"Fisher diagonal and the undamped diagonal S_R has expectation "
-            f"equal to the number of parameters with nonzero Fisher "
-            f"({num_nonzero} of {info['num_params']}), whatever the minimum. "
-            f"Compare info['normalized'], use damping>0, metric='kfac' or "
+            f"Fisher diagonal and the undamped diagonal S_R equals the number "
+            f"of parameters with nonzero Fisher ({info['num_nonzero_fisher']} of "
+            f"{info['num_params']}), whatever the minimum. Compare "
+            f"info['normalized'], use damping>0, metric='kfac' or "
             f"metric='exact' for an informative value.",
             UserWarning,
             stacklevel=2,
         )
     return est
-
-
-def _dense_hessian(model, x, y, loss, batch_size, dim, shapes):
-    matvec = _common.hessian_matvec(model, x, y, loss, batch_size)
-    H = np.zeros((dim, dim))
-    sizes = [int(np.prod(s)) for s in shapes]
-    for i in range(dim):
-        e = np.zeros(dim)
-        e[i] = 1.0
-        parts = np.split(e, np.cumsum(sizes)[:-1])
-        H[:, i] = np.concatenate([c.ravel() for c in matvec([p.reshape(s) for p, s in zip(parts, shapes)])])
-    return (H + H.T) / 2
-
-
-def dense_fisher(model, x, y=None, kind="exact", num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None):
-    """The full Fisher matrix (float64 NumPy, P x P) for small models."""
-    from keras import ops
-
-    from keras_geosam.curvature.functional import batches
-    from keras_geosam.curvature.functional import num_examples
-
-    fns = model_functions(model, loss, training=False)
-    require_classifier(fns.spec, "dense_fisher")
-    rng = np.random.default_rng(seed)
-    n = num_examples(x)
-    dim = sum(int(np.prod(v.shape)) for v in fns.variables)
-    G = np.zeros((dim, dim))
-    for xb, yb, nb in batches(x, y, batch_size):
-        for kernel_name, labels, weights in label_passes(fns, kind, xb, yb, num_samples, rng):
-            grads = fns.kernel(kernel_name)(fns.params(), fns.non_trainable(), xb, ops.convert_to_tensor(labels))
-            J = np.concatenate([np.asarray(ops.convert_to_numpy(g), "float64").reshape(nb, -1) for g in grads], axis=1)
-            G += (J * weights[:, None]).T @ J
-    return G / n
 
 
 def _exact(model, fns, x, y, fisher, damping, num_samples, seed, batch_size, max_params, loss, rcond):
@@ -257,8 +154,10 @@ def _exact(model, fns, x, y, fisher, damping, num_samples, seed, batch_size, max
             f"{dim} parameters > max_params={max_params}. Use metric='diagonal' "
             f"or 'kfac', or raise max_params."
         )
-    G = dense_fisher(model, x, y, fisher, num_samples, seed, batch_size, loss)
-    H = _dense_hessian(model, x, y, loss, batch_size, dim, shapes)
+    G = GGN(model, x, y, kind=fisher, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size).to_dense(max_dim=max_params)
+    G = (G + G.T) / 2
+    H = Hessian(model, x, y, loss=loss, batch_size=batch_size).to_dense(max_dim=max_params)
+    H = (H + H.T) / 2
     evals, evecs = np.linalg.eigh(G)
     lam = damping * max(float(np.mean(np.clip(evals, 0, None))), 0.0)
     shifted = evals + lam
@@ -270,10 +169,10 @@ def _exact(model, fns, x, y, fisher, damping, num_samples, seed, batch_size, max
     keep = shifted > tol
     inv = np.where(keep, 1.0 / np.where(keep, shifted, 1.0), 0.0)
     Ginv = (evecs * inv) @ evecs.T
-    M = Ginv @ H
-    value = float(np.trace(M))
+    Mat = Ginv @ H
+    value = float(np.trace(Mat))
     sizes = np.cumsum([0] + [int(np.prod(s)) for s in shapes])
-    per_layer = {p: float(np.trace(M[a:b, a:b])) for p, a, b in zip(fns.paths, sizes[:-1], sizes[1:])}
+    per_layer = {p: float(np.trace(Mat[a:b, a:b])) for p, a, b in zip(fns.paths, sizes[:-1], sizes[1:])}
     info = _common.data_info(x, batch_size)
     info.update(
         metric="exact",

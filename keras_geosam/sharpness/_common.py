@@ -1,0 +1,32 @@
+"""Shared argument checks and bookkeeping of the sharpness measures."""
+
+import numpy as np
+
+from keras_geosam.curvature.functional import num_examples
+from keras_geosam.curvature.functional import progbar  # noqa: F401  (re-exported for the measures)
+from keras_geosam.estimators.trace import check_positive_int  # noqa: F401
+
+DEFAULT_BATCH_SIZE = 256
+
+
+def check_rtol(rtol, max_probes):
+    if rtol is not None and not (isinstance(rtol, (int, float, np.floating)) and rtol > 0):
+        raise ValueError(f"rtol must be a number > 0 or None, got {rtol!r}.")
+    check_positive_int("max_probes", max_probes)
+
+
+def data_info(x, batch_size):
+    n = num_examples(x)
+    return {"num_examples": n, "batch_size": batch_size}
+
+
+def warn_if_tiny(x):
+    import warnings
+
+    if num_examples(x) < 2:
+        warnings.warn(
+            "A curvature estimate from a single example describes that example only; "
+            "pass more data for a sharpness of the model.",
+            UserWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,101 @@
+"""Which networks make parts of the curvature exact.
+
+- :func:`is_piecewise_linear` (spec section 4): ReLU/LeakyReLU-type
+  activations, no normalisation. Such a network is linear in every single
+  parameter, so ``diag H = diag F_exact`` and the undamped diagonal S_R
+  counts the parameters with nonzero Fisher (the degeneracy).
+- :func:`is_layerwise_linear`: the output is piecewise linear in each
+  layer's parameters jointly (the other layers fixed), so every per-layer
+  diagonal block of H equals the GGN's (spec section 6) and
+  ``tr(M^-1 (H - GGN)) = 0`` for any metric M block-diagonal per layer. This
+  holds for the piecewise-linear networks above and, because curvature is
+  taken in inference mode, also with BatchNormalization (an affine map of
+  its input with fixed moving statistics).
+
+Both checks are conservative: a layer type, activation or operation they
+do not know, a layer called more than once, or a subclassed model's opaque
+``call`` makes them return False (the residual is then estimated, never
+assumed zero).
+"""
+
+import keras
+
+_PL_ACTIVATIONS = ("relu", "leaky_relu", "linear", "relu6")
+
+
+def _linear_types():
+    L = keras.layers
+    names = [
+        "Dense", "EinsumDense", "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose",
+        "Conv3DTranspose", "DepthwiseConv1D", "DepthwiseConv2D", "Flatten", "Reshape", "Permute",
+        "RepeatVector", "Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D",
+        "GaussianNoise", "GaussianDropout", "AlphaDropout", "ActivityRegularization",
+        "MaxPooling1D", "MaxPooling2D", "MaxPooling3D", "AveragePooling1D", "AveragePooling2D",
+        "AveragePooling3D", "GlobalAveragePooling1D", "GlobalAveragePooling2D",
+        "GlobalAveragePooling3D", "GlobalMaxPooling1D", "GlobalMaxPooling2D", "GlobalMaxPooling3D",
+        "ZeroPadding1D", "ZeroPadding2D", "ZeroPadding3D", "Cropping1D", "Cropping2D", "Cropping3D",
+        "LeakyReLU", "ReLU", "PReLU", "InputLayer", "Identity", "Add", "Subtract", "Concatenate",
+        "Average", "Maximum", "Minimum", "Rescaling",
+    ]
+    return tuple(getattr(L, n) for n in names if hasattr(L, n))
+
+
+def _activation_ok(act, last):
+    if act is None:
+        return True
+    name = getattr(act, "__name__", "")
+    return name in _PL_ACTIVATIONS or (name == "softmax" and last)
+
+
+def _check(model, allow_batchnorm):
+    # A Sequential or functional graph: every operation is a known layer,
+    # and no layer is applied twice (weight sharing is not linear in W).
+    from keras.src.models.functional import Functional
+
+    if not isinstance(model, (keras.Sequential, Functional)):
+        return False
+    linear = _linear_types()
+    operations = list(getattr(model, "operations", None) or model.layers)
+    for i, op in enumerate(operations):
+        last = i == len(operations) - 1
+        if not isinstance(op, keras.layers.Layer):
+            return False  # a raw keras.ops node of a functional graph
+        if len(getattr(op, "_inbound_nodes", [])) > 1 and not isinstance(op, keras.layers.InputLayer):
+            return False
+        if isinstance(op, (keras.Sequential, Functional)):
+            if not _check(op, allow_batchnorm):
+                return False
+            continue
+        if isinstance(op, keras.layers.Softmax) and last:
+            continue  # belongs to the loss
+        if isinstance(op, keras.layers.Activation):
+            if not _activation_ok(op.activation, last):
+                return False
+            continue
+        if isinstance(op, keras.layers.BatchNormalization):
+            if not allow_batchnorm or getattr(op, "renorm", False):
+                return False
+            continue
+        if isinstance(op, (keras.layers.UpSampling1D, keras.layers.UpSampling2D)):
+            if getattr(op, "interpolation", "nearest") != "nearest":
+                return False
+            continue
+        if not isinstance(op, linear):
+            return False
+        if not _activation_ok(getattr(op, "activation", None), last):
+            return False
+    return True
+
+
+def is_piecewise_linear(model):
+    """True when every layer is piecewise linear in each single parameter:
+    ReLU/LeakyReLU/linear activations, no normalisation or other
+    nonlinearity (softmax as the last layer belongs to the loss)."""
+    return _check(model, allow_batchnorm=False)
+
+
+def is_layerwise_linear(model, training=False):
+    """True when every per-layer diagonal block of the Hessian equals the
+    GGN's (module doc): piecewise-linear networks, BatchNormalization
+    allowed in inference mode."""
+    return _check(model, allow_batchnorm=not training)

@@ -1,0 +1,33 @@
+"""The metric M of Riemannian sharpness, as a curvature operator.
+
+``fisher_metric`` returns a :class:`~keras_geosam.curvature.BlockDiagonal`
+with one block per trainable variable: the Fisher diagonal
+(``structure="diagonal"``) or K-FAC blocks on Dense/Conv/EinsumDense
+kernels with diagonal blocks elsewhere (``"kfac"``). These are the same
+block classes LLQR learns as its preconditioner U.
+
+Damping is relative: block b is inverted as ``M_b + damping * mean
+eigenvalue(M_b) I`` (each tensor's mean Fisher entry; each Kronecker
+block's mean eigenvalue, applied in the factors' joint eigenbasis). Scaling
+one layer's parameters scales its Fisher block and its damping together,
+so the damped S_R is unchanged by per-layer rescalings such as Dinh et
+al.'s. ``damping=0`` is a pseudo-inverse: zero-Fisher directions are
+excluded and counted.
+"""
+
+from keras_geosam.curvature.operators import GGN
+from keras_geosam.curvature.operators import BlockDiagonal
+from keras_geosam.curvature.operators import Diagonal
+from keras_geosam.sharpness import _common
+
+STRUCTURES = ("diagonal", "kfac")
+
+
+def fisher_metric(model, x, y=None, structure="diagonal", fisher="exact", num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None):
+    """The Fisher metric of kind `fisher` with the given block `structure`."""
+    if structure not in STRUCTURES:
+        raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}.")
+    G = GGN(model, x, y, kind=fisher, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size)
+    if structure == "kfac":
+        return G.kfac()
+    return BlockDiagonal([Diagonal([d]) for d in G.diagonal()])
