@@ -86,7 +86,7 @@ def measure(width, repeats, refresh_repeats):
             for _ in range(refresh_repeats):
                 t = time.perf_counter()
                 opt.refresh_now(model, x, y)
-                keras.ops.convert_to_numpy(opt._u[0])  # synchronise
+                keras.ops.convert_to_numpy(opt.preconditioner.variables[0])  # synchronise
                 times.append(time.perf_counter() - t)
             refresh = statistics.median(times)
             row[f"{name}_refresh_s"] = refresh

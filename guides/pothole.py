@@ -186,7 +186,7 @@ def run(method, lambdabar=1.0 / 16, rho=0.05, steps=300, effective_step=1.0):
     model.compile(optimizer=optimizer, loss=bowl_loss)
     if method != "sam":
         # The slow timescale, idealised: U has learned the average geometry.
-        (u,) = optimizer._u
+        (u,) = optimizer.preconditioner.variables
         u.assign((1.0 / hbar).astype("float32"))
     zeros = np.zeros((steps, 1), "float32")
     trajectory = Trajectory()

@@ -48,12 +48,12 @@ def compute():
             refresh_source="callback", beta=0.5, inner_learning_rate=2e-2, refresh_steps=25,
         )
         model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        for i, u in enumerate(opt._u):
+        for i, u in enumerate(opt.preconditioner.variables):
             out[f"init_{structure}_{divergence}_{i}"] = np.asarray(ops.convert_to_numpy(u.value))
         opt.refresh_now(model, x, y)
         opt.refresh_now(model, x, y)
         assert int(ops.convert_to_numpy(opt.refreshes)) == 2
-        for i, u in enumerate(opt._u):
+        for i, u in enumerate(opt.preconditioner.variables):
             out[f"{structure}_{divergence}_{i}"] = np.asarray(ops.convert_to_numpy(u.value))
     return out
 

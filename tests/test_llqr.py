@@ -88,7 +88,7 @@ class Recorder(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         model = self.model
         self.weights.append([to_np(v.value) for v in model.trainable_variables])
-        self.u.append([to_np(v.value) for v in model.optimizer._u])
+        self.u.append([to_np(v.value) for v in model.optimizer.preconditioner.variables])
         self.refreshes.append(int(to_np(model.optimizer.refreshes)))
 
 
@@ -111,7 +111,7 @@ def batches_of(x, y, batch_size):
 def u_groups(opt):
     """U's factors per trainable tensor, by parameter name: [{"d": ...}, {"A":, "B":}, ...]."""
     groups = {}
-    for v in opt._u:
+    for v in opt.preconditioner.variables:
         head, name = v.name.split("_", 1)
         groups.setdefault(int(head[1:]), {})[name] = to_np(v.value)
     return [groups[i] for i in sorted(groups)]
@@ -167,7 +167,7 @@ def llqrsam_reference(params, batches, groups, lr, momentum, rho, norm="euclidea
 
 def random_u(opt, rng):
     """Assigns known non-identity values to every U factor."""
-    for v in opt._u:
+    for v in opt.preconditioner.variables:
         name = v.name.split("_", 1)[1]
         shape = tuple(v.shape)
         if name in ("d", "s"):
@@ -209,7 +209,7 @@ def test_llqrsam_steps_match_numpy_reference(case):
     expected = llqrsam_reference(init, batches, groups, norm=norm, ascent=ascent, **kw)
     assert_close(got, expected)
     # U is frozen between refreshes.
-    assert_close([to_np(v.value) for v in opt._u], [v for g in groups for v in g.values()], rtol=0, atol=0)
+    assert_close([to_np(v.value) for v in opt.preconditioner.variables], [v for g in groups for v in g.values()], rtol=0, atol=0)
     # Teeth: U, the norm and the ascent each matter at these values.
     identity = [{k: (np.ones_like(v) if k in ("d", "s") else np.eye(v.shape[0])) for k, v in g.items()}
                 for g in groups]
@@ -291,7 +291,7 @@ def test_llqrsam_without_refresh_is_sam():
     fit(llqr, x, y, 4)
     fit(sam, x, y, 4)
     assert_close(init, init2, rtol=0, atol=0)
-    assert all(np.all(to_np(u.value) == 1.0) for u in llqr.optimizer._u)
+    assert all(np.all(to_np(u.value) == 1.0) for u in llqr.optimizer.preconditioner.variables)
     assert_close(ref.weights_of(llqr), ref.weights_of(sam), rtol=1e-6, atol=1e-7)
     plain = llqrsam_reference(init, batches_of(x, y, 4), [{"d": np.ones_like(p)} for p in init],
                               lr=0.1, momentum=0.9, rho=0.0, two_pass=False)
@@ -349,7 +349,7 @@ def test_llqrsam_refreshes_at_the_unperturbed_weights():
     assert_close(init, a["init"], rtol=0, atol=0)
     fit(model, x, y, 2)
     assert int(to_np(opt.refreshes)) == 1
-    assert_close([to_np(u.value) for u in opt._u], a["rec"].u[0], rtol=1e-6, atol=1e-7)
+    assert_close([to_np(u.value) for u in opt.preconditioner.variables], a["rec"].u[0], rtol=1e-6, atol=1e-7)
     assert max_abs_diff(ref.weights_of(model), a["rec"].weights[0]) > TEETH
 
 
@@ -428,12 +428,12 @@ def test_save_load_between_refreshes_equals_uninterrupted(tmp_path):
     assert len(opt.variables) == len(old.variables)
     for a, b in zip(opt.variables, old.variables):
         np.testing.assert_array_equal(to_np(a.value), to_np(b.value), err_msg=a.path)
-    assert max_abs_diff([to_np(u.value) for u in opt._u],
-                        [np.eye(u.shape[0]) if len(u.shape) == 2 else np.ones(u.shape) for u in opt._u]) > 1e-3
+    assert max_abs_diff([to_np(u.value) for u in opt.preconditioner.variables],
+                        [np.eye(u.shape[0]) if len(u.shape) == 2 else np.ones(u.shape) for u in opt.preconditioner.variables]) > 1e-3
     assert max(np.abs(to_np(m.value)).max() for m in opt._average) > 1e-3
     fit(loaded, x[8:], y[8:], 2)
     assert int(to_np(opt.refreshes)) == int(to_np(full.optimizer.refreshes)) == 3
-    assert_close([to_np(u.value) for u in opt._u], [to_np(u.value) for u in full.optimizer._u],
+    assert_close([to_np(u.value) for u in opt.preconditioner.variables], [to_np(u.value) for u in full.optimizer.preconditioner.variables],
                  rtol=1e-6, atol=1e-7)
     assert_close([to_np(m.value) for m in opt._average], [to_np(m.value) for m in full.optimizer._average],
                  rtol=1e-6, atol=1e-7)

@@ -100,9 +100,26 @@ def explicit_block(kind, params, shape):
     return Q @ np.diag(np.ravel(s)) @ Q.T
 
 
-def random_params(block, rng):
+KINDS = {"diagonal": kg.curvature.Diagonal, "kfac": kg.curvature.KFAC, "ekfac": kg.curvature.EKFAC}
+
+
+def spec(kind, shape):
+    """A one-tensor layout entry ``(class, shape, split)``."""
+    return (KINDS[kind], tuple(shape), None if kind == "diagonal" else len(shape) - 1)
+
+
+def kind_of(entry):
+    return {v: k for k, v in KINDS.items()}[entry[0]]
+
+
+def param_specs(entry):
+    cls, shape, split = entry
+    return cls.param_specs(shape, split)
+
+
+def random_params(entry, rng):
     out = []
-    for name, shape, _ in block.param_specs():
+    for name, shape, _, _ in param_specs(entry):
         if name in ("d", "s"):
             out.append(rng.uniform(0.2, 2.0, size=shape))
         else:  # A, B, QA, QG: generic (not symmetric, not orthogonal)
@@ -123,11 +140,10 @@ def test_kron_convention():
 @pytest.mark.parametrize("shape", [(3, 4), (2, 2, 3, 4)], ids=["dense", "conv"])
 def test_block_apply_equals_explicit_matrix(kind, shape):
     rng = np.random.default_rng(2)
-    m, n = int(np.prod(shape[:-1])), shape[-1]
-    block = pc.Block(kind, shape, None if kind == "diagonal" else (m, n))
-    params = random_params(block, rng)
+    entry = spec(kind, shape)
+    params = random_params(entry, rng)
     x = rng.normal(size=shape)
-    got = ref.to_numpy(block.apply([t64(p) for p in params], t64(x)))
+    got = ref.to_numpy(pc.operator([entry], [t64(p) for p in params]).matvec([t64(x)])[0])
     assert got.shape == shape
     want = (explicit_block(kind, params, shape) @ x.ravel()).reshape(shape)
     assert ref.rel_err(got, want) < f64_tolerance()  # ops.matmul is float32 on torch
@@ -139,10 +155,10 @@ def test_block_apply_equals_explicit_matrix(kind, shape):
 @pytest.mark.parametrize("kind", ["diagonal", "kfac", "ekfac"])
 def test_block_initialisers_are_the_identity(kind):
     shape = (3, 4)
-    block = pc.Block(kind, shape, None if kind == "diagonal" else (3, 4))
-    specs = block.param_specs()
+    specs = param_specs(spec(kind, shape))
     init = []
-    for name, pshape, how in specs:
+    for name, pshape, how, positive in specs:
+        assert positive == (name in ("d", "s")), name
         assert how in ("ones", "identity"), (name, how)
         init.append(np.ones(pshape) if how == "ones" else np.eye(pshape[0]))
         if how == "identity":
@@ -155,13 +171,12 @@ def test_block_initialisers_are_the_identity(kind):
 
 def test_precondition_applies_each_block_to_its_tensor():
     rng = np.random.default_rng(3)
-    blocks = [pc.Block("kfac", (3, 4), (3, 4)), pc.Block("diagonal", (4,)),
-              pc.Block("ekfac", (4, 2), (4, 2)), pc.Block("diagonal", (2,))]
+    blocks = [spec("kfac", (3, 4)), spec("diagonal", (4,)), spec("ekfac", (4, 2)), spec("diagonal", (2,))]
     params = [random_params(b, rng) for b in blocks]
-    vecs = [rng.normal(size=b.shape) for b in blocks]
+    vecs = [rng.normal(size=b[1]) for b in blocks]
     flat = [t64(p) for ps in params for p in ps]
-    got = np_list(pc.precondition(blocks, flat, [t64(v) for v in vecs]))
-    U = _block_diag([explicit_block(b.kind, p, b.shape) for b, p in zip(blocks, params)])
+    got = np_list(pc.operator(blocks, flat).matvec([t64(v) for v in vecs]))
+    U = _block_diag([explicit_block(kind_of(b), p, b[1]) for b, p in zip(blocks, params)])
     assert ref.rel_err(ref.flatten(got), U @ ref.flatten(vecs)) < f64_tolerance()
 
 
@@ -192,25 +207,26 @@ def _zoo():
 def test_make_blocks_gives_matrix_blocks_only_to_kernels(structure):
     model = _zoo()
     variables = model.trainable_variables
-    blocks = pc.make_blocks(variables, structure)
+    blocks = pc.layout(variables, structure)
     assert len(blocks) == len(variables)
     kernels = {"conv/kernel": (3 * 3 * 2, 3), "dense/kernel": (16 * 3, 5),
                "einsum/kernel": (5, 4), "head/kernel": (4, 3)}
     seen = set()
     for v, b in zip(variables, blocks):
-        assert tuple(b.shape) == tuple(v.shape), v.path
+        assert tuple(b[1]) == tuple(v.shape), v.path
         if structure != "diagonal" and v.path in kernels:
-            assert b.kind == structure, v.path
-            assert tuple(b.view) == kernels[v.path], v.path
+            assert kind_of(b) == structure, v.path
+            view = (int(np.prod(b[1][: b[2]])), int(np.prod(b[1][b[2] :])))
+            assert view == kernels[v.path], v.path
             seen.add(v.path)
         else:  # biases, BN/LN gamma and beta, and everything under "diagonal"
-            assert b.kind == "diagonal", v.path
+            assert kind_of(b) == "diagonal", v.path
     assert seen == (set(kernels) if structure != "diagonal" else set())
 
 
 def test_make_blocks_rejects_an_unknown_structure():
     with pytest.raises(ValueError, match="structure"):
-        pc.make_blocks(_zoo().trainable_variables, "full")
+        pc.layout(_zoo().trainable_variables, "full")
 
 
 # ======================================================= the objective ==
@@ -227,6 +243,7 @@ def _bn_mlp_logits(moving_mean, moving_var, epsilon):
 
 
 def _random_block_params(blocks, rng):
+    # one random set per layout entry
     return [p for b in blocks for p in random_params(b, rng)]
 
 
@@ -272,7 +289,7 @@ def objective_results():
         y = rng.integers(0, K, size=N)
         reference = ref.Reference(_bn_mlp_logits(mm, mv, bn.epsilon), params, x, y)
         vec = [rng.normal(size=v.shape) for v in model.trainable_variables]
-        blocks = {s: pc.make_blocks(model.trainable_variables, s) for s in pc.STRUCTURES}
+        blocks = {s: pc.layout(model.trainable_variables, s) for s in pc.STRUCTURES}
         uparams = {"diagonal": [rng.uniform(0.3, 3.0, size=v.shape) for v in model.trainable_variables]}
         uparams["kfac"] = _random_block_params(blocks["kfac"], rng)
         uparams["ekfac"] = _random_block_params(blocks["ekfac"], rng)
@@ -285,7 +302,7 @@ def objective_results():
             opt = kg.optimizers.LLQR(keras.optimizers.SGD(0.1), divergence=divergence)
 
             def fn(values, nt, x, y, vec, up):
-                gbar, gprod = opt._refresh_problem(model, values, nt, x, y)
+                gbar, gprod = opt.preconditioner._problem(model, values, nt, x, y)
                 res = {"gbar": gbar, "Gv": gprod(vec)}
                 for s in pc.STRUCTURES:
                     res["grad_" + s] = pc.objective_gradient(blocks[s], up[s], gbar, gprod)
@@ -345,12 +362,12 @@ def _explicit_U(blocks, params):
     """Block-diagonal U(params) in jax.numpy (differentiable)."""
     mats, i = [], 0
     for b in blocks:
-        k = len(b.param_specs())
+        k = len(param_specs(b))
         p = params[i:i + k]
         i += k
-        if b.kind == "diagonal":
+        if kind_of(b) == "diagonal":
             mats.append(jnp.diag(jnp.ravel(p[0])))
-        elif b.kind == "kfac":
+        elif kind_of(b) == "kfac":
             mats.append(jnp.kron(p[0], p[1]))
         else:
             Q = jnp.kron(p[0], p[1])
@@ -379,7 +396,7 @@ def test_matrix_objective_gradient_equals_autodiff_of_explicit_J(objective_resul
     r, g, G = objective_results[divergence], objective_results["g"], objective_results["G"][divergence]
     blocks = objective_results["blocks"][structure]
     params = objective_results["uparams"][structure]
-    assert [b.kind for b in blocks] == [structure, "diagonal", "diagonal", "diagonal", structure, "diagonal"]
+    assert [kind_of(b) for b in blocks] == [structure, "diagonal", "diagonal", "diagonal", structure, "diagonal"]
     tol = f64_tolerance()
     J, want = _explicit_J_grad(blocks, params, g, G)
     got = r["grad_" + structure]
@@ -434,13 +451,14 @@ def test_many_inner_steps_reach_the_closed_form_minimiser(f64):
     assert np.all(d_star > 0.3), d_star
     assert eig[0] > 0 and eig[-1] / eig[0] < 11, eig
 
-    blocks = pc.make_blocks(model.trainable_variables, "diagonal")
+    blocks = pc.layout(model.trainable_variables, "diagonal")
+    groups = [[0], [1]]
     opt = kg.optimizers.LLQR(keras.optimizers.SGD(0.1))
     steps, lr = 120, 1.0 / eig[-1]  # 0.707**120 ~ 1e-18
 
     def fn(values, nt, x, y, u):
-        gbar, gprod = opt._refresh_problem(model, values, nt, x, y)
-        new = pc.refresh(blocks, u, gbar, gprod, steps=steps, learning_rate=lr, momentum=0.5,
+        gbar, gprod = opt.preconditioner._problem(model, values, nt, x, y)
+        new = pc.refresh(blocks, u, gbar, gprod, groups, steps=steps, learning_rate=lr, momentum=0.5,
                          clip_norm=1e30, beta=0.0, min_diagonal=1e-12)
         return new, pc.objective(blocks, new, gbar, gprod)
 
@@ -460,7 +478,8 @@ def test_refresh_clips_diagonal_and_takes_the_ema(f64):
     """beta mixes old and learned factors leaf by leaf; diagonal entries are
     clipped to min_diagonal afterwards. G = 0 and a huge step drive the learned
     d far negative on one coordinate, positive on none."""
-    blocks = [pc.Block("diagonal", (3,)), pc.Block("kfac", (2, 2), (2, 2))]
+    blocks = [spec("diagonal", (3,)), spec("kfac", (2, 2))]
+    groups = [[0], [1], [2]]
     old = [t64([1.0, 2.0, 0.5]), t64(np.eye(2)), t64(2 * np.eye(2))]
     gbar = [t64([1.0, 0.0, 2.0]), t64(np.zeros((2, 2)))]
 
@@ -468,7 +487,7 @@ def test_refresh_clips_diagonal_and_takes_the_ema(f64):
         return [ops.zeros_like(t) for t in u]
 
     # One plain step (momentum 0, no clipping): grad_d = -gbar^2 -> d grows.
-    one = np_list(pc.refresh(blocks, old, gbar, gprod, steps=1, learning_rate=0.5, momentum=0.0,
+    one = np_list(pc.refresh(blocks, old, gbar, gprod, groups, steps=1, learning_rate=0.5, momentum=0.0,
                              clip_norm=1e30, beta=0.25, min_diagonal=1e-8))
     learned = np.array([1.0, 2.0, 0.5]) + 0.5 * np.array([1.0, 0.0, 4.0])
     np.testing.assert_allclose(one[0], 0.25 * np.array([1.0, 2.0, 0.5]) + 0.75 * learned, rtol=SCALAR)
@@ -476,38 +495,67 @@ def test_refresh_clips_diagonal_and_takes_the_ema(f64):
     np.testing.assert_allclose(one[2], 2 * np.eye(2), rtol=SCALAR)
     # beta = 1 keeps the old factors; diagonal entries below the floor are raised to it.
     low = [t64([-1.0, 1e-12, 3.0]), old[1], old[2]]
-    kept = np_list(pc.refresh(blocks, low, [t64(np.zeros(3)), gbar[1]], gprod, steps=1,
+    kept = np_list(pc.refresh(blocks, low, [t64(np.zeros(3)), gbar[1]], gprod, groups, steps=1,
                               learning_rate=0.5, momentum=0.0, clip_norm=1e30, beta=1.0,
                               min_diagonal=1e-3))
     np.testing.assert_allclose(kept[0], [1e-3, 1e-3, 3.0], rtol=SCALAR)
     np.testing.assert_allclose(kept[1], np.eye(2), rtol=SCALAR)  # matrix factors are not clipped
 
 
-def test_refresh_clips_each_block_gradient_norm(f64):
-    """Before momentum each block's gradient is scaled to L2 norm <= clip."""
-    blocks = [pc.Block("diagonal", (2,)), pc.Block("diagonal", (1,))]
+def test_refresh_clips_each_group_gradient_norm(f64):
+    """Before momentum each group's gradient is scaled to L2 norm <= clip."""
+    blocks = [spec("diagonal", (2,)), spec("diagonal", (1,))]
     old = [t64([1.0, 1.0]), t64([1.0])]
     gbar = [t64([3.0, 4.0]), t64([0.5])]  # grad_d = -gbar^2 = (-9, -16), (-0.25)
 
     def gprod(u):
         return [ops.zeros_like(t) for t in u]
 
-    new = np_list(pc.refresh(blocks, old, gbar, gprod, steps=1, learning_rate=1.0, momentum=0.9,
+    new = np_list(pc.refresh(blocks, old, gbar, gprod, [[0], [1]], steps=1, learning_rate=1.0, momentum=0.9,
                              clip_norm=5.0, beta=0.0, min_diagonal=1e-8))
     grad = np.array([-9.0, -16.0])
     np.testing.assert_allclose(new[0], 1.0 - 5.0 * grad / np.linalg.norm(grad), rtol=SCALAR)
     np.testing.assert_allclose(new[1], [1.25], rtol=SCALAR)  # norm 0.25 < 5: not clipped
+    # One group for both tensors (a layer's kernel and bias under a diagonal
+    # U): one norm over all three entries scales both.
+    both = np_list(pc.refresh(blocks, old, gbar, gprod, [[0, 1]], steps=1, learning_rate=1.0, momentum=0.9,
+                              clip_norm=5.0, beta=0.0, min_diagonal=1e-8))
+    full = np.array([-9.0, -16.0, -0.25])
+    scaled = 5.0 * full / np.linalg.norm(full)
+    np.testing.assert_allclose(np.concatenate(both), 1.0 - scaled, rtol=SCALAR)
+    assert abs(both[1][0] - new[1][0]) > 0.1  # the grouping changes U
+
+
+@pytest.mark.parametrize("structure", ["diagonal", "kfac", "ekfac"])
+def test_clip_groups_follow_the_reference(structure):
+    """Diagonal U: one group per layer (kernel and bias together); K-FAC and
+    EK-FAC: one group per parameter tensor (A, B, Q_A, Q_G, s, each bias)."""
+    model = _zoo()
+    variables = model.trainable_variables
+    layout = pc.layout(variables, structure)
+    groups = pc.clip_groups(layout, variables, structure)
+    specs = pc.param_specs(layout)
+    assert sorted(i for g in groups for i in g) == list(range(len(specs)))
+    layer_of = [variables[i].path.rsplit("/", 1)[0] for i, *_ in specs]
+    if structure == "diagonal":
+        assert len(groups) == len(set(layer_of))
+        for g in groups:
+            assert len({layer_of[i] for i in g}) == 1
+        assert any(len(g) == 2 for g in groups)  # kernel + bias of one layer
+    else:
+        assert all(len(g) == 1 for g in groups)
+        assert len(groups) == len(specs)
 
 
 def test_refresh_sanitises_non_finite_gradients(f64):
-    blocks = [pc.Block("diagonal", (3,))]
+    blocks = [spec("diagonal", (3,))]
     old = [t64([1.0, 1.0, 1.0])]
     gbar = [t64([1.0, np.nan, 1.0])]
 
     def gprod(u):
         return [ops.zeros_like(t) for t in u]
 
-    new = ref.to_numpy(pc.refresh(blocks, old, gbar, gprod, steps=2, learning_rate=0.1, momentum=0.0,
+    new = ref.to_numpy(pc.refresh(blocks, old, gbar, gprod, [[0]], steps=2, learning_rate=0.1, momentum=0.0,
                                   clip_norm=1e30, beta=0.0, min_diagonal=1e-8)[0])
     assert np.all(np.isfinite(new)), new
     np.testing.assert_allclose(new, [1.2, 1.0, 1.2], rtol=SCALAR)

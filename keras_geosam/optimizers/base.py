@@ -21,6 +21,8 @@ unless a keras_geosam step owns it (``kg.Model``, ``kg.Sequential`` or
 import keras
 from keras import ops
 
+from keras_geosam._checks import check_number
+
 _ATTACH_HINT = (
     "{name} is a two-pass optimizer: it needs the loss at perturbed weights, "
     "which a stock Keras train_step never gives an optimizer. Use "
@@ -132,14 +134,7 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
     # ------------------------------------------------------- plumbing ----
     @staticmethod
     def check_hyperparameter(name, value, minimum=0.0, strict=False):
-        try:
-            v = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{name} must be a number, got {value!r}.") from None
-        if v != v or v in (float("inf"), float("-inf")) or v < minimum or (strict and v == minimum):
-            relation = ">" if strict else ">="
-            raise ValueError(f"{name} must be finite and {relation} {minimum}, got {value!r}.")
-        return v
+        return check_number(name, value, minimum, strict)
 
     def own_variable(self, reference, name, initializer="zeros"):
         return self.add_variable_from_reference(reference, name, initializer=initializer)

@@ -3,16 +3,14 @@
 import keras
 from keras import ops
 
-from keras_geosam.optimizers.base import TwoPassOptimizer
-from keras_geosam.optimizers.llqr import _PRECONDITIONER_ARGS
-from keras_geosam.optimizers.llqr import LearnedPreconditioner
+from keras_geosam.optimizers.preconditioned import PreconditionedOptimizer
 
 NORMS = ("euclidean", "metric")
 ASCENTS = ("sam", "fsam")
 
 
 @keras.saving.register_keras_serializable(package="keras_geosam")
-class LLQRSAM(LearnedPreconditioner, TwoPassOptimizer):
+class LLQRSAM(PreconditionedOptimizer):
     """LLQR+SAM: U shapes both the perturbation and the descent step.
 
     Per step t, one batch B for both passes:
@@ -38,7 +36,7 @@ class LLQRSAM(LearnedPreconditioner, TwoPassOptimizer):
         rho: perturbation radius (reference 0.1; 0.075 on ImageNet).
         norm, ascent, sam_start_step, fsam_sigma, fsam_momentum: see above.
         structure, divergence, refresh_every and the other keyword arguments
-            of ``LearnedPreconditioner``.
+            of ``keras_geosam.preconditioner.LearnedPreconditioner`` (U).
     """
 
     def __init__(
@@ -47,9 +45,10 @@ class LLQRSAM(LearnedPreconditioner, TwoPassOptimizer):
         refresh_every=1000, bn_stats="perturbed", dropout="fresh", perturbation="global",
         name="LLQRSAM", **kwargs,
     ):
-        pre = {k: kwargs.pop(k) for k in list(kwargs) if k in _PRECONDITIONER_ARGS}
-        super().__init__(base_optimizer, bn_stats=bn_stats, dropout=dropout, perturbation=perturbation, name=name, **kwargs)
-        self._init_preconditioner(structure=structure, divergence=divergence, refresh_every=refresh_every, **pre)
+        super().__init__(
+            base_optimizer, structure=structure, divergence=divergence, refresh_every=refresh_every,
+            bn_stats=bn_stats, dropout=dropout, perturbation=perturbation, name=name, **kwargs,
+        )
         self.rho = self.check_hyperparameter("rho", rho)
         if norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {norm!r}.")
@@ -66,7 +65,7 @@ class LLQRSAM(LearnedPreconditioner, TwoPassOptimizer):
             raise ValueError(f"fsam_momentum must be < 1, got {fsam_momentum!r}.")
 
     def build_state(self, var_list):
-        self._build_preconditioner(var_list)
+        super().build_state(var_list)
         self._average = [self.add_variable_from_reference(v, "grad_average") for v in var_list] if self.ascent == "fsam" else []
 
     def perturbation(self, centre_grads, values):
@@ -89,11 +88,10 @@ class LLQRSAM(LearnedPreconditioner, TwoPassOptimizer):
             m.assign(b * m + (1.0 - b) * ops.cast(g, m.dtype))
 
     def descent_gradients(self, centre_grads, perturbed_grads, values):
-        return self._descent(perturbed_grads, values)
+        return self.preconditioner.descent(perturbed_grads, values)
 
     def get_config(self):
         config = super().get_config()
-        config.update(self._preconditioner_config())
         config.update(
             rho=self.rho, norm=self.norm, ascent=self.ascent, sam_start_step=self.sam_start_step,
             fsam_sigma=self.fsam_sigma, fsam_momentum=self.fsam_momentum,

@@ -1,0 +1,57 @@
+"""PreconditionedOptimizer: a two-pass optimizer that owns a learned U.
+
+LLQR and LLQRSAM both hold a
+:class:`~keras_geosam.preconditioner.LearnedPreconditioner` (U's
+configuration, variables and refresh live in ``keras_geosam/preconditioner``)
+and differ only in the perturbation. This class wires U into the two-pass
+step: U's variables are created as optimizer variables, the in-step refresh
+runs before the centre pass, and the descent direction is ``U g``.
+"""
+
+from keras_geosam.optimizers.base import TwoPassOptimizer
+from keras_geosam.preconditioner import OPTIONS
+from keras_geosam.preconditioner import LearnedPreconditioner
+
+
+class PreconditionedOptimizer(TwoPassOptimizer):
+    """Base of LLQR and LLQRSAM. Keyword arguments of
+    :class:`~keras_geosam.preconditioner.LearnedPreconditioner` (``structure``,
+    ``divergence``, ``refresh_every``, ``refresh_source``, ``refresh_steps``,
+    ``inner_learning_rate``, ``inner_momentum``, ``clip_norm``, ``beta``,
+    ``min_diagonal``, ``coupled_weight_decay``) configure U."""
+
+    def __init__(self, base_optimizer, structure="diagonal", divergence="ngd", refresh_every=1000, **kwargs):
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k in OPTIONS}
+        super().__init__(base_optimizer, **kwargs)
+        self.preconditioner = LearnedPreconditioner(structure=structure, divergence=divergence, refresh_every=refresh_every, **options)
+
+    refreshes = property(lambda self: self.preconditioner.refreshes, doc="How many refreshes U has had (an int64 optimizer variable).")
+
+    def build_state(self, var_list):
+        self.preconditioner.build(self, var_list)
+
+    def check_model(self, model, refresh_source=None):
+        self.preconditioner.check_model(model, refresh_source)
+
+    def prepare_step(self, model, values, non_trainable, x, y):
+        self.preconditioner.prepare_step(self.iterations, model, values, non_trainable, x, y)
+
+    def precondition(self, vectors):
+        """U v for a list like the trainable variables."""
+        return self.preconditioner.precondition(vectors)
+
+    def refresh_now(self, model, x, y):
+        """Refreshes U eagerly on batch ``(x, y)`` at the model's weights."""
+        if not self.built:
+            raise RuntimeError("Build the optimizer (compile and build the model) before refreshing U.")
+        self.preconditioner.refresh_now(model, x, y)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(self.preconditioner.get_config())
+        return config
+
+
+# U's settings read like the optimizer's own (opt.structure, opt.clip_norm, ...).
+for _name in ("structure", "divergence", "refresh_every") + OPTIONS:
+    setattr(PreconditionedOptimizer, _name, property(lambda self, _n=_name: getattr(self.preconditioner, _n)))

@@ -1,0 +1,193 @@
+"""U's configuration, state and refresh, owned by an LLQR / LLQRSAM optimizer.
+
+The optimizer creates U's variables through its own ``add_variable`` (so they
+are saved, restored and threaded through JAX's stateless step like any
+optimizer variable) and asks this object for ``U v``, the descent direction
+and the refresh. See ``objective.py`` for the refresh itself.
+"""
+
+import keras
+from keras import ops
+
+from keras_geosam import backend
+from keras_geosam._checks import check_int as _check_int
+from keras_geosam._checks import check_number
+from keras_geosam.curvature.functional import model_functions
+from keras_geosam.curvature.losses import require_classifier
+from keras_geosam.curvature.losses import resolve_loss
+from keras_geosam.preconditioner import objective
+from keras_geosam.preconditioner import structures
+
+DIVERGENCES = ("ngd", "newton")
+REFRESH_SOURCES = ("step", "callback")
+OPTIONS = (
+    "refresh_source", "refresh_steps", "inner_learning_rate", "inner_momentum",
+    "clip_norm", "beta", "min_diagonal", "coupled_weight_decay",
+)
+
+
+class LearnedPreconditioner:
+    """LLQR's structured U, learned by heavy-ball descent on J(U).
+
+    Args:
+        structure: ``"diagonal"`` | ``"kfac"`` | ``"ekfac"``
+            (``structures.py``).
+        divergence: ``"ngd"`` (Fisher = Gauss-Newton of softmax cross-entropy,
+            summed over the preconditioner batch) or ``"newton"`` (Hessian of
+            the mean loss).
+        refresh_every: refresh U when ``iterations % refresh_every == 0``
+            (step 0 included).
+        refresh_source: ``"step"`` (default): refresh inside the compiled
+            train step on the current training batch, which then also serves
+            both SAM passes (the reference draws a separate fresh batch of
+            128); ``"callback"``: U is refreshed only by
+            ``kg.callbacks.PreconditionerRefresh(x, y)`` from a dataset you
+            pass, before the step that is due.
+        refresh_steps, inner_learning_rate, inner_momentum, clip_norm: the
+            inner heavy-ball optimisation of J(U) (reference 50, 1e-3, 0.9,
+            5.0). The gradient is clipped per group as the reference groups
+            it: one norm per layer for a diagonal U (kernel and bias
+            together); one per parameter tensor for K-FAC (A, B, each bias
+            block) and EK-FAC (Q_A, Q_G, s).
+        beta: EMA of U across refreshes (default 0.95 for ngd, 0.90 newton).
+        min_diagonal: lower bound on diagonal entries (and EK-FAC's s) after
+            each refresh.
+        coupled_weight_decay: ``wd``; the base optimizer receives
+            ``U g + wd * theta`` (decay added after U, never preconditioned).
+    """
+
+    def __init__(
+        self, structure="diagonal", divergence="ngd", refresh_every=1000, refresh_source="step",
+        refresh_steps=50, inner_learning_rate=1e-3, inner_momentum=0.9, clip_norm=5.0, beta=None,
+        min_diagonal=1e-8, coupled_weight_decay=0.0,
+    ):
+        if structure not in structures.STRUCTURES:
+            raise ValueError(f"structure must be one of {structures.STRUCTURES}, got {structure!r}.")
+        if divergence not in DIVERGENCES:
+            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}.")
+        if refresh_source not in REFRESH_SOURCES:
+            raise ValueError(f"refresh_source must be one of {REFRESH_SOURCES}, got {refresh_source!r}.")
+        self.structure = structure
+        self.divergence = divergence
+        self.refresh_every = _check_int("refresh_every", refresh_every)
+        self.refresh_source = refresh_source
+        self.refresh_steps = _check_int("refresh_steps", refresh_steps)
+        self.inner_learning_rate = check_number("inner_learning_rate", inner_learning_rate, strict=True)
+        self.inner_momentum = check_number("inner_momentum", inner_momentum, below=1)
+        self.clip_norm = check_number("clip_norm", clip_norm, strict=True)
+        if beta is None:
+            beta = 0.95 if divergence == "ngd" else 0.90
+        self.beta = check_number("beta", beta)
+        if self.beta > 1:
+            raise ValueError(f"beta must be in [0, 1], got {beta!r}.")
+        self.min_diagonal = check_number("min_diagonal", min_diagonal)
+        self.coupled_weight_decay = check_number("coupled_weight_decay", coupled_weight_decay)
+        self.variables = []
+        self.refreshes = None
+
+    def get_config(self):
+        return {
+            "structure": self.structure, "divergence": self.divergence,
+            "refresh_every": self.refresh_every, "refresh_source": self.refresh_source,
+            "refresh_steps": self.refresh_steps, "inner_learning_rate": self.inner_learning_rate,
+            "inner_momentum": self.inner_momentum, "clip_norm": self.clip_norm, "beta": self.beta,
+            "min_diagonal": self.min_diagonal, "coupled_weight_decay": self.coupled_weight_decay,
+        }
+
+    # ------------------------------------------------------------ state ----
+    def build(self, optimizer, var_list):
+        """Creates U's variables (and the refresh counter) on `optimizer`."""
+        self.layout = structures.layout(var_list, self.structure)
+        self.groups = structures.clip_groups(self.layout, var_list, self.structure)
+        self.variables = []
+        for i, name, shape, init, _ in structures.param_specs(self.layout):
+            init = keras.initializers.Identity() if init == "identity" else init
+            self.variables.append(optimizer.add_variable(shape, initializer=init, name=f"U{i}_{name}"))
+        self.refreshes = optimizer.add_variable((), initializer="zeros", dtype="int64", name="refreshes")
+
+    def operator(self):
+        """U now, as a :class:`~keras_geosam.curvature.BlockDiagonal`."""
+        return structures.operator(self.layout, [p.value for p in self.variables])
+
+    def precondition(self, vectors):
+        """U v for a list like the trainable variables (in v's dtypes)."""
+        return [ops.cast(u, v.dtype) for u, v in zip(self.operator().matvec(vectors), vectors)]
+
+    def descent(self, grads, values):
+        """``U g + coupled_weight_decay * theta``."""
+        d = self.precondition(grads)
+        if self.coupled_weight_decay:
+            wd = self.coupled_weight_decay
+            d = [g + wd * ops.cast(v, g.dtype) for g, v in zip(d, values)]
+        return d
+
+    # ---------------------------------------------------------- refresh ----
+    def check_model(self, model, refresh_source=None):
+        """Raises if `model`'s loss cannot drive this refresh (at compile)."""
+        # Only a refresh needs the Fisher: U fixed by hand works with any loss.
+        if (refresh_source or self.refresh_source) != "step":
+            return
+        if self.divergence == "ngd" and getattr(model, "loss", None) is not None:
+            require_classifier(resolve_loss(model), 'LLQR with divergence="ngd"')
+
+    def _problem(self, model, values, non_trainable, x, y):
+        """gbar and the G-product at `values`, inference mode."""
+        fns = model_functions(model, None, training=False, include_regularization=False)
+        if self.divergence == "ngd":
+            require_classifier(fns.spec, 'LLQR with divergence="ngd"')
+            gprod = lambda u: backend.hvp(fns.ggn_surrogate, list(values), u, non_trainable, x, 1.0)
+        else:
+            gprod = lambda u: backend.hvp(fns.loss, list(values), u, non_trainable, x, y)
+        _, gbar = backend.value_and_grad(fns.loss, list(values), non_trainable, x, y)
+        return gbar, gprod
+
+    def refreshed(self, model, values, non_trainable, x, y):
+        """New U parameters after one refresh on batch ``(x, y)``."""
+        gbar, gprod = self._problem(model, values, non_trainable, x, y)
+        return objective.refresh(
+            self.layout, [p.value for p in self.variables], gbar, gprod, self.groups,
+            steps=self.refresh_steps, learning_rate=self.inner_learning_rate,
+            momentum=self.inner_momentum, clip_norm=self.clip_norm, beta=self.beta,
+            min_diagonal=self.min_diagonal,
+        )
+
+    def prepare_step(self, iterations, model, values, non_trainable, x, y):
+        """In-step refresh when due (``refresh_source="step"``), without retracing."""
+        if self.refresh_source != "step":
+            return
+        due = ops.equal(ops.mod(iterations, self.refresh_every), 0)
+        current = [p.value for p in self.variables]
+        new = ops.cond(due, lambda: self.refreshed(model, values, non_trainable, x, y), lambda: current)
+        for p, value in zip(self.variables, new):
+            p.assign(value)
+        self.refreshes.assign_add(ops.cast(due, "int64"))
+
+    def refresh_now(self, model, x, y):
+        """Refreshes U eagerly on batch ``(x, y)`` at the model's weights."""
+        values = [v.value for v in model.trainable_variables]
+        non_trainable = [v.value for v in model.non_trainable_variables]
+        new = self._compiled(model)(values, non_trainable, ops.convert_to_tensor(x), ops.convert_to_tensor(y))
+        for p, value in zip(self.variables, new):
+            p.assign(value)
+        self.refreshes.assign_add(1)
+
+    def _compiled(self, model):
+        cache = self.__dict__.setdefault("_cache", {})
+        if id(model) not in cache:
+            if backend.name == "jax":
+                cache[id(model)] = _jax_refresh(self, model)
+            else:
+                cache[id(model)] = backend.compile(lambda values, nt, x, y: self.refreshed(model, values, nt, x, y))
+        return cache[id(model)]
+
+
+def _jax_refresh(pre, model):
+    # Under jit, U's current values must be arguments, not captured constants.
+    import jax
+
+    @jax.jit
+    def fn(u_values, values, non_trainable, x, y):
+        with keras.StatelessScope(state_mapping=list(zip(pre.variables, u_values))):
+            return pre.refreshed(model, values, non_trainable, x, y)
+
+    return lambda values, non_trainable, x, y: fn([p.value for p in pre.variables], values, non_trainable, x, y)
