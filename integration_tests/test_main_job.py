@@ -42,6 +42,7 @@ def _check_outputs(stdout, out_dir, expected_runs, min_acc):
     assert len(rows) == len(expected_runs), rows
     for label, row in zip(expected_runs, rows):
         assert all(part in row for part in label.split()), (label, row)
+        assert row.count("±") >= 6, row  # value ± stderr for each estimate
 
     csv_path = os.path.join(out_dir, "results.csv")
     assert os.path.getsize(csv_path) > 0
@@ -60,6 +61,10 @@ def _check_outputs(stdout, out_dir, expected_runs, min_acc):
                 continue  # a non-numeric column
             assert math.isfinite(value), (rec["run"], col, rec[col])
         assert min_acc <= float(rec["test_acc"]) <= 1.0, (rec["run"], rec["test_acc"])
+        # every estimate travels with its standard error
+        for col in ("tr H", "lambda_max") + tuple(c for c in cli.COLUMNS if c.startswith("S_R") and "/" not in c):
+            se = float(rec[col + " stderr"])
+            assert math.isfinite(se) and se >= 0, (rec["run"], col, se)
         assert float(rec["lambda_max"]) > 0 and float(rec["tr H"]) > 0, rec
 
     png = os.path.join(out_dir, "sharpness.png")

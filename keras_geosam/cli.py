@@ -91,10 +91,13 @@ def run(args):
     print()
     print(format_table(rows))
     print(
-        f"\nS_R diag: undamped diagonal exact-Fisher S_R; for ReLU nets its expectation is\n"
+        f"\nvalue ± standard error ((~0): within 2 standard errors of zero; ± 0: exact).\n"
+        f"S_R diag: undamped diagonal exact-Fisher S_R; for ReLU nets it equals\n"
         f"'nonzero F' (the parameters with nonzero Fisher), so read 'S_R diag/nnz'. Damped\n"
-        f"columns use relative damping {DAMPING}. tr H and lambda_max are Euclidean.\n"
-        f"All on up to {args.probe_size} test examples, {args.num_probes} probes, seed {args.seed}."
+        f"columns use relative damping {DAMPING}. tr H and lambda_max are Euclidean;\n"
+        f"lambda_max R is the top eigenvalue of M^-1/2 H M^-1/2 (K-FAC metric); for\n"
+        f"lambda_max the ± is the Lanczos residual bound.\n"
+        f"All on up to {args.probe_size} test examples, {args.num_probes} probes per round, seed {args.seed}."
     )
     csv_path = os.path.join(args.output, "results.csv")
     write_csv(rows, csv_path)
@@ -155,6 +158,8 @@ def run_dataset(args, dataset):
 
 
 def final_metrics(model, x_te, y_te, xp, yp, args):
+    """Test accuracy and every sharpness measure at the final weights, each
+    with its standard error (``<name> stderr``)."""
     import warnings
 
     from keras_geosam import sharpness as S
@@ -163,34 +168,53 @@ def final_metrics(model, x_te, y_te, xp, yp, args):
     kw = dict(num_probes=args.num_probes, seed=args.seed)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*piecewise linear.*")
-        d = S.riemannian_sharpness(model, xp, yp, metric="diagonal", **kw)
-        out["S_R diag"] = d.value
-        out["nonzero F"] = d.info["num_nonzero_fisher"]
-        out["params"] = d.info["num_params"]
-        out["S_R diag/nnz"] = d.info["normalized"]
-        out["S_R diag damped"] = S.riemannian_sharpness(model, xp, yp, metric="diagonal", damping=DAMPING, **kw).value
-        out["S_R mc(8) damped"] = S.riemannian_sharpness(model, xp, yp, metric="diagonal", fisher="mc", num_samples=8, damping=DAMPING, **kw).value
-        out["S_R kfac"] = S.riemannian_sharpness(model, xp, yp, metric="kfac", damping=DAMPING, **kw).value
-    out["tr H"] = S.hessian_trace(model, xp, yp, **kw).value
-    out["lambda_max"] = S.hessian_max_eigenvalue(model, xp, yp, seed=args.seed).value
+        d = S.riemannian_sharpness(model, xp, yp, metric="diagonal", damping=0.0, **kw)
+        estimates = {
+            "S_R diag": d,
+            "S_R diag damped": S.riemannian_sharpness(model, xp, yp, metric="diagonal", damping=DAMPING, **kw),
+            "S_R mc(8) damped": S.riemannian_sharpness(model, xp, yp, metric="diagonal", fisher="mc", num_samples=8, damping=DAMPING, **kw),
+            "S_R kfac": S.riemannian_sharpness(model, xp, yp, metric="kfac", damping=DAMPING, **kw),
+            "tr H": S.hessian_trace(model, xp, yp, **kw),
+            "lambda_max": S.hessian_max_eigenvalue(model, xp, yp, seed=args.seed),
+            "lambda_max R": S.riemannian_max_eigenvalue(model, xp, yp, metric="kfac", damping=DAMPING, seed=args.seed),
+        }
+    for name, est in estimates.items():
+        out[name] = float(est.value)
+        out[name + " stderr"] = float(est.stderr)
+    out["nonzero F"] = d.info["num_nonzero_fisher"]
+    out["params"] = d.info["num_params"]
+    out["S_R diag/nnz"] = d.info["normalized"]
     return out
 
 
-COLUMNS = ["run", "test_acc", "S_R diag", "nonzero F", "S_R diag/nnz", "S_R diag damped", "S_R mc(8) damped", "S_R kfac", "tr H", "lambda_max"]
+# Table columns; a column with a "<name> stderr" partner prints "value ± stderr".
+COLUMNS = ["run", "test_acc", "S_R diag", "nonzero F", "S_R diag/nnz", "S_R diag damped", "S_R mc(8) damped", "S_R kfac", "tr H", "lambda_max", "lambda_max R"]
 
-# Relative damping of the damped S_R columns: a tenth of the mean Fisher
-# eigenvalue (diagonal) or of each K-FAC factor's mean eigenvalue. Undamped,
-# the K-FAC and Monte-Carlo estimates are dominated by near-null directions.
+# Relative damping of the damped S_R columns: a tenth of each block's mean
+# Fisher eigenvalue. Undamped, the K-FAC and Monte-Carlo estimates are
+# dominated by near-null directions.
 DAMPING = 0.1
 
 
-def format_table(rows):
-    def fmt(v):
-        if isinstance(v, float):
-            return f"{v:.4f}" if abs(v) < 10 else f"{v:.4g}"
-        return str(v)
+def _number(v):
+    return f"{v:.4f}" if abs(v) < 10 else f"{v:.4g}"
 
-    cells = [[fmt(r.get(c, "")) for c in COLUMNS] for r in rows]
+
+def format_cell(row, column):
+    """A table cell: the value, with ``± stderr`` where the row has one and
+    ``(~0)`` when the value is within two standard errors of zero."""
+    v = row.get(column, "")
+    if not isinstance(v, float):
+        return str(v)
+    se = row.get(column + " stderr")
+    if se is None:
+        return _number(v)
+    flag = " (~0)" if se > 0 and abs(v) <= 2 * se else ""
+    return f"{_number(v)} ± {se:.2g}{flag}"
+
+
+def format_table(rows):
+    cells = [[format_cell(r, c) for c in COLUMNS] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(COLUMNS)]
     line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))
     return "\n".join([line(COLUMNS), line(["-" * w for w in widths])] + [line(r) for r in cells])
@@ -207,6 +231,8 @@ def write_csv(rows, path):
 
 
 def plot(curves_by_dataset, path):
+    """One row of panels per dataset: accuracy, then each logged sharpness
+    measure per epoch with a band of two standard errors."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -227,8 +253,12 @@ def plot(curves_by_dataset, path):
                 v = np.asarray(hist.get(key, []), dtype=float)
                 e = np.arange(1, len(v) + 1)
                 ok = np.isfinite(v)
-                ax.plot(e[ok], v[ok], marker=".", label=label)
-            ax.set_title(f"{dataset}: {name}", fontsize=10)
+                (line,) = ax.plot(e[ok], v[ok], marker=".", label=label)
+                se = np.asarray(hist.get(key + "_stderr", []), dtype=float)
+                if se.size == v.size and np.any(se[ok] > 0):
+                    ax.fill_between(e[ok], (v - 2 * se)[ok], (v + 2 * se)[ok], color=line.get_color(), alpha=0.2, linewidth=0)
+            title = f"{dataset}: {name}" + ("" if key == "val_accuracy" else "\n(band: ±2 stderr where estimated)")
+            ax.set_title(title, fontsize=9)
             ax.set_xlabel("epoch")
             if key == "hessian_trace":
                 ax.set_yscale("log")

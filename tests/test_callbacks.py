@@ -42,9 +42,9 @@ def _data(seed=0):
     return x, y
 
 
-def _model(lr=0.05, seed=0):
+def _model(lr=0.05, seed=0, activation="relu"):
     model = keras.Sequential(
-        [keras.Input((D,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(K)]
+        [keras.Input((D,)), keras.layers.Dense(8, activation=activation), keras.layers.Dense(K)]
     )
     rng = np.random.default_rng(seed)
     for v in model.trainable_variables:
@@ -123,7 +123,8 @@ def test_other_metrics_and_options():
     assert _rel(hist.history["s/riemannian_sharpness_kfac"][0], kf.value) < TOL
     assert "s/riemannian_sharpness_kfac_normalized" in hist.history
     assert SharpnessLogger.available() == sorted(
-        ["hessian_trace", "lambda_max", "riemannian_sharpness", "riemannian_sharpness_kfac", "riemannian_sharpness_exact"]
+        ["hessian_trace", "lambda_max", "riemannian_sharpness", "riemannian_sharpness_kfac", "riemannian_sharpness_exact",
+         "riemannian_lambda_max", "riemannian_lambda_max_kfac"]
     )
 
 
@@ -192,9 +193,49 @@ def test_tensorboard_writes_the_scalars(tmp_path):
         np.testing.assert_allclose(scalars[f"epoch_{k}"], hist.history[k], rtol=TOL)
 
 
+def test_tensorboard_and_csv_placed_first_still_record_the_keys(tmp_path):
+    """Keras hands callbacks one logs dict in list order; the logger moves
+    itself to the front, so loggers placed before it see its keys."""
+    pytest.importorskip("tensorboard")
+    x, y = _data()
+    model = _model()
+    logdir, path = str(tmp_path / "tb"), str(tmp_path / "log.csv")
+    logger = SharpnessLogger(x, y, metrics=("hessian_trace", "riemannian_sharpness"), num_probes=2)
+    callbacks = [keras.callbacks.TensorBoard(logdir), keras.callbacks.CSVLogger(path), logger]
+    hist = model.fit(x, y, epochs=2, verbose=0, callbacks=callbacks)
+    scalars = _read_tensorboard_scalars(logdir)
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    for k in KEYS:
+        assert f"epoch_{k}" in scalars, sorted(scalars)
+        np.testing.assert_allclose(scalars[f"epoch_{k}"], hist.history[k], rtol=TOL)
+        np.testing.assert_allclose([float(r[k]) for r in rows], hist.history[k], rtol=TOL)
+
+
+def test_verbose_prints_each_metric_with_its_stderr(capsys):
+    x, y = _data()
+    model = _model()
+    logger = SharpnessLogger(x, y, metrics=("hessian_trace", "riemannian_sharpness"), num_probes=2, verbose=1)
+    model.fit(x, y, epochs=1, verbose=0, callbacks=[logger])
+    out = capsys.readouterr().out
+    assert out.count("SharpnessLogger:") == 2
+    assert "hessian_trace = " in out and "±" in out
+
+
+def test_wrong_loss_fails_before_the_first_epoch():
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    weights = [v.numpy() if hasattr(v, "numpy") else keras.ops.convert_to_numpy(v) for v in model.trainable_variables]
+    with pytest.raises(ValueError, match="classifier"):
+        model.fit(x, np.eye(K)[y], epochs=1, verbose=0, callbacks=[SharpnessLogger(x, y, metrics="riemannian_sharpness")])
+    for v, w in zip(model.trainable_variables, weights):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(v), w)
+
+
 def test_fixed_seed_gives_identical_values_when_weights_do_not_change():
     x, y = _data()
-    model = _model(lr=0.0)
+    model = _model(lr=0.0, activation="tanh")
     logger = SharpnessLogger(x, y, metrics=("hessian_trace", "riemannian_sharpness"), num_probes=2, seed=7)
     hist = model.fit(x, y, epochs=2, batch_size=8, verbose=0, callbacks=[logger])
     for k in KEYS:
@@ -221,11 +262,16 @@ def test_fixed_seed_gives_identical_values_when_weights_do_not_change():
         ({"every_n_epochs": -2}, "every_n_epochs"),
         ({"every_n_epochs": 1.5}, "every_n_epochs"),
         ({"num_probes": 0}, "num_probes"),
+        ({"max_probes": 0}, "max_probes"),
+        ({"rtol": 0.0}, "rtol"),
+        ({"y": np.zeros(N - 1, "int32")}, "differ in length"),
         ({"options": {"lambda_maxx": {}}}, "options"),
     ],
 )
 def test_invalid_arguments_raise(kwargs, match):
     x, y = _data()
+    kwargs = dict(kwargs)
+    y = kwargs.pop("y", y)
     with pytest.raises(ValueError, match=match):
         SharpnessLogger(x, y, **kwargs)
 

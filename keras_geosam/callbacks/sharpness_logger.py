@@ -1,45 +1,57 @@
-"""SharpnessLogger: sharpness measures written into ``logs`` every N epochs."""
+"""SharpnessLogger: sharpness measures, with their standard errors, in ``logs``."""
 
 import math
+import sys
+import time
 import warnings
 
 import keras
 
 from keras_geosam import sharpness
+from keras_geosam.curvature.functional import check_data
+from keras_geosam.curvature.functional import model_functions
+from keras_geosam.curvature.losses import require_classifier
 
-# name -> (function, fixed keyword arguments)
+# name -> (function, fixed keyword arguments, takes probes, needs a classifier)
 _METRICS = {
-    "hessian_trace": (sharpness.hessian_trace, {}),
-    "lambda_max": (sharpness.hessian_max_eigenvalue, {}),
-    "riemannian_sharpness": (sharpness.riemannian_sharpness, {"metric": "diagonal"}),
-    "riemannian_sharpness_kfac": (sharpness.riemannian_sharpness, {"metric": "kfac"}),
-    "riemannian_sharpness_exact": (sharpness.riemannian_sharpness, {"metric": "exact"}),
+    "hessian_trace": (sharpness.hessian_trace, {}, True, False),
+    "lambda_max": (sharpness.hessian_max_eigenvalue, {}, False, False),
+    "riemannian_sharpness": (sharpness.riemannian_sharpness, {"metric": "diagonal"}, True, True),
+    "riemannian_sharpness_kfac": (sharpness.riemannian_sharpness, {"metric": "kfac"}, True, True),
+    "riemannian_sharpness_exact": (sharpness.riemannian_sharpness, {"metric": "exact"}, False, True),
+    "riemannian_lambda_max": (sharpness.riemannian_max_eigenvalue, {"metric": "diagonal"}, False, True),
+    "riemannian_lambda_max_kfac": (sharpness.riemannian_max_eigenvalue, {"metric": "kfac"}, False, True),
 }
-_PROBED = {"hessian_trace", "riemannian_sharpness", "riemannian_sharpness_kfac"}
 
 
 class SharpnessLogger(keras.callbacks.Callback):
-    """Adds sharpness measures to the epoch ``logs``.
+    """Adds sharpness measures and their standard errors to the epoch ``logs``.
 
     Every `every_n_epochs` epochs it evaluates each requested metric on the
     fixed data ``(x, y)`` with a fixed seed (so epochs are comparable and
     differences come from the weights, not the probes) and writes
-    ``logs[prefix + name]`` and ``logs[prefix + name + "_stderr"]``. Callbacks
-    after it in the list (History, CSVLogger, TensorBoard) record the keys; on
-    epochs it skips, the keys hold NaN so every epoch has the same columns.
-    For ``riemannian_sharpness`` it also writes ``..._normalized`` (value per
-    parameter with nonzero Fisher; see the piecewise-linear caveat).
+    ``logs[prefix + name]`` and ``logs[prefix + name + "_stderr"]``; for
+    Riemannian sharpness also ``..._normalized`` (value per parameter with
+    nonzero Fisher; see the piecewise-linear caveat). On epochs it skips the
+    keys hold NaN, so every epoch has the same columns.
+
+    Keras hands every callback the same ``logs`` in list order, so at the
+    start of training the logger moves itself to the front of the
+    callback list: History, CSVLogger, TensorBoard, EarlyStopping and
+    ModelCheckpoint see its keys wherever it was placed.
 
     Args:
         x, y: probe data (keep it small: every metric streams over it).
         metrics: names from ``SharpnessLogger.available()``.
         every_n_epochs: evaluate on epochs ``n-1, 2n-1, ...`` (0-based).
-        num_probes: Hutchinson probes per estimate.
+        num_probes, rtol, max_probes: Hutchinson probes per round, the
+            relative standard error to reach, and the cap.
         seed: fixed seed for probes and sampled labels.
         batch_size: streaming batch size.
         prefix: prepended to every key.
         options: per-metric keyword overrides, e.g.
-            ``{"riemannian_sharpness": {"damping": 1e-4}}``.
+            ``{"riemannian_sharpness": {"damping": 1e-2}}``.
+        verbose: 1 prints one line per metric (value, stderr, seconds).
     """
 
     def __init__(
@@ -49,10 +61,13 @@ class SharpnessLogger(keras.callbacks.Callback):
         metrics=("hessian_trace", "riemannian_sharpness"),
         every_n_epochs=1,
         num_probes=10,
+        rtol=0.05,
+        max_probes=100,
         seed=0,
         batch_size=256,
         prefix="",
         options=None,
+        verbose=0,
     ):
         super().__init__()
         if isinstance(metrics, str):
@@ -62,10 +77,11 @@ class SharpnessLogger(keras.callbacks.Callback):
             raise ValueError(f"Unknown sharpness metric(s) {unknown}; available: {sorted(_METRICS)}.")
         if not metrics:
             raise ValueError("metrics must name at least one metric.")
-        if isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 1:
-            raise ValueError(f"every_n_epochs must be an integer >= 1, got {every_n_epochs!r}.")
-        if isinstance(num_probes, bool) or not isinstance(num_probes, int) or num_probes < 1:
-            raise ValueError(f"num_probes must be an integer >= 1, got {num_probes!r}.")
+        for name, value in (("every_n_epochs", every_n_epochs), ("num_probes", num_probes), ("max_probes", max_probes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        if rtol is not None and not rtol > 0:
+            raise ValueError(f"rtol must be > 0 or None, got {rtol!r}.")
         options = dict(options or {})
         stray = [k for k in options if k not in metrics]
         if stray:
@@ -73,14 +89,17 @@ class SharpnessLogger(keras.callbacks.Callback):
                 f"options given for {stray}, which are not among the logged "
                 f"metrics {list(metrics)}."
             )
-        self.x, self.y = x, y
+        self.x, self.y = check_data(x, y)
         self.metrics = tuple(metrics)
         self.every_n_epochs = every_n_epochs
         self.num_probes = num_probes
+        self.rtol = rtol
+        self.max_probes = max_probes
         self.seed = seed
         self.batch_size = batch_size
         self.prefix = prefix
         self.options = options
+        self.verbose = verbose
         self.history = []
 
     @staticmethod
@@ -95,19 +114,54 @@ class SharpnessLogger(keras.callbacks.Callback):
                 out.append(self.prefix + name + "_normalized")
         return out
 
+    # ---------------------------------------------------------- checks ----
+    def on_train_begin(self, logs=None):
+        self._check_model()
+        self._move_to_front()
+
+    def _check_model(self):
+        # Before the first epoch trains: a wrong loss or bad data should not
+        # cost an epoch of training to find out.
+        fns = model_functions(self.model, None, training=False)
+        if any(_METRICS[m][3] for m in self.metrics):
+            require_classifier(fns.spec, "SharpnessLogger's Riemannian metrics")
+
+    def _move_to_front(self):
+        """Moves this callback to the front of the running CallbackList."""
+        frame = sys._getframe(1)
+        for _ in range(4):
+            holder = frame.f_locals.get("self") if frame is not None else None
+            if isinstance(holder, keras.callbacks.CallbackList) and self in holder.callbacks:
+                callbacks = holder.callbacks
+                # Safe while the list iterates over us: we leave index i, the
+                # callbacks after us keep their positions.
+                callbacks.insert(0, callbacks.pop(callbacks.index(self)))
+                return
+            frame = frame.f_back if frame is not None else None
+        warnings.warn(
+            "SharpnessLogger could not find Keras' callback list: callbacks placed before it "
+            "in `callbacks=[...]` will not see its keys. Put it first.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+    # --------------------------------------------------------- compute ----
     def compute(self):
         """Evaluates every metric now; returns ``{key: float}``."""
         model = self.model
         out = {}
         for name in self.metrics:
-            fn, kwargs = _METRICS[name]
+            fn, kwargs, probed, _ = _METRICS[name]
             kwargs = dict(kwargs, seed=self.seed, batch_size=self.batch_size)
-            if name in _PROBED:
-                kwargs["num_probes"] = self.num_probes
+            if probed:
+                kwargs.update(num_probes=self.num_probes, rtol=self.rtol, max_probes=self.max_probes)
             kwargs.update(self.options.get(name, {}))
+            start = time.perf_counter()
             with warnings.catch_warnings():
-                # The piecewise-linear caveat is reported through _normalized.
+                # The piecewise-linear caveat is reported through _normalized;
+                # an unmet rtol shows in the stderr written beside the value.
                 warnings.filterwarnings("ignore", message=".*piecewise linear.*")
+                warnings.filterwarnings("ignore", message=".*max_probes.*")
                 est = fn(model, self.x, self.y, **kwargs)
             out[self.prefix + name] = float(est.value)
             out[self.prefix + name + "_stderr"] = float(est.stderr)
@@ -115,6 +169,12 @@ class SharpnessLogger(keras.callbacks.Callback):
                 out[self.prefix + name + "_normalized"] = float(est.info["normalized"])
             elif name.startswith("riemannian_sharpness"):
                 out[self.prefix + name + "_normalized"] = float(est.value) / max(est.info.get("num_params", 1), 1)
+            if self.verbose:
+                print(
+                    f"SharpnessLogger: {self.prefix + name} = {est.format()} "
+                    f"({est.num_samples} samples, {time.perf_counter() - start:.2f}s)",
+                    flush=True,
+                )
         return out
 
     def on_epoch_end(self, epoch, logs=None):
