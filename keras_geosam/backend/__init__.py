@@ -16,6 +16,8 @@ a list of backend tensors:
 - ``vjp_batched(f, params, *args, has_aux=False)`` -> ``(value, aux,
   pullback)`` where ``pullback(cotangents)`` takes cotangents with a leading
   axis k and may be called repeatedly on the one forward pass
+- ``eigh(x)`` -> eigenvalues (ascending) and eigenvectors of a symmetric
+  matrix, with the fastest solver for the device
 - ``per_example_grads(f, params, *batch)`` -> gradients of ``f(params, *example)``
   for every example along axis 0 of ``batch`` (vectorised, no Python loop)
 - ``compile(fn)`` -> a compiled version of a pure function (or ``fn`` itself)
@@ -48,6 +50,7 @@ hvp = _impl.hvp
 hvp_batched = _impl.hvp_batched
 vjp_batched = _impl.vjp_batched
 per_example_grads = _impl.per_example_grads
+eigh = _impl.eigh
 compile = _impl.compile
 replica_count = _impl.replica_count
 all_reduce_sum = _impl.all_reduce_sum
@@ -62,6 +65,7 @@ __all__ = [
     "hvp_batched",
     "vjp_batched",
     "per_example_grads",
+    "eigh",
     "compile",
     "replica_count",
     "all_reduce_sum",

@@ -39,6 +39,12 @@ def vjp_batched(f, params, *args, has_aux=False):
     return value, aux, lambda cot: jax.vmap(lambda c: pull(c)[0])(cot)
 
 
+def eigh(x):
+    from keras import ops
+
+    return ops.eigh(x)
+
+
 def per_example_grads(f, params, *batch):
     def one(*example):
         return jax.grad(f)(params, *[e[None] for e in example])

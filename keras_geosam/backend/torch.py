@@ -113,6 +113,12 @@ def _detach(tree):
     return tree
 
 
+def eigh(x):
+    from keras import ops
+
+    return ops.eigh(x)
+
+
 def per_example_grads(f, params, *batch):
     def one(*example):
         return torch.func.grad(f)(list(params), *[e[None] for e in example])

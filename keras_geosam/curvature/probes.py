@@ -1,17 +1,21 @@
 """Random probes drawn on the device, identical on every backend.
 
 A counter-based hash (murmur3's 32-bit finaliser on int32 with wrap-around,
-written in ``keras.ops``) maps ``(seed, stream, probe index, coordinate)``
-to 32 random bits, so probe ``i`` of a given seed is the same vector on
-JAX, TensorFlow and torch, needs no generator state, and is created where
-it is used, in the model's dtype. Coordinates are numbered across a list
-of tensors in order (the flat parameter vector), so a probe does not
-depend on how many probes are drawn together.
+written in ``keras.ops``) maps ``(seed, stream, probe index, word)`` to 32
+random bits, so probe ``i`` of a given seed is the same vector on JAX,
+TensorFlow and torch, needs no generator state, and is created where it is
+used, in the model's dtype. Coordinates are numbered across a list of
+tensors in order (the flat parameter vector); coordinate j of a Rademacher
+probe is bit ``j % 32`` of word ``j // 32`` (1 means -1), so one hash serves
+32 coordinates. A probe does not depend on how many are drawn together.
 
 Streams keep unrelated draws apart: Hutchinson probes, Lanczos start
 vectors, Hutch++ sketches and Monte-Carlo labels each have their own.
 """
 
+import functools
+
+import keras
 import numpy as np
 from keras import ops
 
@@ -60,27 +64,46 @@ def bits(k, rows, cols):
     return fmix32(ops.add(a, r))
 
 
-def _signs(h, dtype):
-    return ops.where(ops.less(h, 0), ops.cast(-1.0, dtype), ops.cast(1.0, dtype))
-
-
 def _uniform(h, dtype):
     # The top 24 bits: exact in float32, in [0, 1).
     return ops.cast(_lsr(h, 8), dtype) * ops.cast(2.0**-24, dtype)
 
 
-def rademacher(seed, start, count, shapes, dtype, stream="hutchinson"):
-    """Probes ``start .. start+count-1``: a list like `shapes` of tensors with a
-    leading axis `count` and entries +-1 in `dtype`."""
-    k = key(seed, stream)
-    rows = ops.arange(start, start + count, dtype="int32")
+def _rademacher_body(k, start, *, count, shapes, dtype):
+    rows = ops.add(ops.arange(0, count, dtype="int32"), ops.cast(start, "int32"))
+    shifts = ops.arange(0, 32, dtype="int32")
     out, offset = [], 0
     for shape in shapes:
         size = int(np.prod(shape, dtype=np.int64))
-        cols = ops.arange(offset, offset + size, dtype="int32")
-        out.append(ops.reshape(_signs(bits(k, rows, cols), dtype), (count,) + tuple(shape)))
+        w0, w1 = offset // 32, (offset + size - 1) // 32 + 1
+        h = bits(k, rows, ops.arange(w0, w1, dtype="int32"))  # (count, words)
+        full = (count, w1 - w0, 32)
+        b = ops.bitwise_and(
+            ops.right_shift(ops.broadcast_to(h[:, :, None], full), ops.broadcast_to(shifts[None, None, :], full)),
+            _const(1),
+        )
+        b = ops.reshape(b, (count, 32 * (w1 - w0)))[:, offset - 32 * w0 : offset - 32 * w0 + size]
+        signs = 1.0 - 2.0 * ops.cast(b, dtype)
+        out.append(ops.reshape(signs, (count,) + tuple(shape)))
         offset += size
     return out
+
+
+_COMPILED = {}
+
+
+def rademacher(seed, start, count, shapes, dtype, stream="hutchinson"):
+    """Probes ``start .. start+count-1``: a list like `shapes` of tensors with a
+    leading axis `count` and entries +-1 in `dtype` (compiled once per
+    layout)."""
+    shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+    dtype = keras.backend.standardize_dtype(dtype)
+    cache_key = (shapes, int(count), dtype)
+    if cache_key not in _COMPILED:
+        _COMPILED[cache_key] = backend.compile(
+            functools.partial(_rademacher_body, count=int(count), shapes=shapes, dtype=dtype)
+        )
+    return list(_COMPILED[cache_key](key(seed, stream), ops.convert_to_tensor(int(start), dtype="int32")))
 
 
 def uniform(seed, rows, cols, dtype="float32", stream="labels"):

@@ -47,22 +47,21 @@ METRICS = ("diagonal", "kfac", "exact")
 DEFAULT_DAMPING = 1e-3
 
 
-def _to_numpy(t):
-    return np.asarray(ops.convert_to_numpy(t), dtype="float64")
+def _count(condition):
+    return ops.sum(ops.cast(condition, "int32"))
 
 
 def _metric_info(M, Minv, metric):
-    """Parameter counts of the metric: nonzero Fisher, excluded (pseudo-inverse)."""
+    """Parameter counts of the metric: nonzero Fisher, excluded (pseudo-inverse);
+    counted on the device, two integers reach the host."""
     num_params = int(sum(int(np.prod(s)) for s in M.shapes))
-    nonzero, excluded = 0, 0
+    nonzero, excluded = [], []
     for b, bi in zip(M.blocks, Minv.blocks):
-        if isinstance(bi, EKFAC):
-            excluded += int((_to_numpy(bi.s) == 0).sum())
-            nonzero += int((_to_numpy(b.diagonal()[0]) > 0).sum())
-        else:
-            excluded += int((_to_numpy(bi.values[0]) == 0).sum())
-            nonzero += int((_to_numpy(b.values[0]) > 0).sum())
-    return {"num_params": num_params, "num_nonzero_fisher": nonzero, "num_excluded": excluded}
+        inv = bi.s if isinstance(bi, EKFAC) else bi.values[0]
+        excluded.append(_count(ops.equal(inv, 0)))
+        nonzero.append(_count(ops.greater(b.diagonal()[0], 0)))
+    counts = ops.convert_to_numpy(ops.stack([sum(nonzero), sum(excluded)]))
+    return {"num_params": num_params, "num_nonzero_fisher": int(counts[0]), "num_excluded": int(counts[1])}
 
 
 def riemannian_sharpness(
@@ -115,13 +114,17 @@ def riemannian_sharpness(
     damping = DEFAULT_DAMPING if damping is None else float(damping)
     M = fisher_metric(model, x, y, metric, fisher, num_samples, seed, batch_size, loss)
     Minv = M.inverse(damping, relative=True, rcond=rcond)
-    Mis = M.inverse_sqrt(damping, relative=True, rcond=rcond)
+
+    def Mis():  # only the probed parts need it
+        return M.inverse_sqrt(damping, relative=True, rcond=rcond)
+
     info = {"metric": metric, "fisher": fisher, "damping": damping, "damping_relative_to": "each block's mean eigenvalue"}
     info.update(_metric_info(M, Minv, metric))
     if split:
         est = split_trace(model, x, y, Minv, Mis, num_probes, rtol, max_probes, estimator, seed, batch_size, loss, verbose)
     else:
-        op = Mis @ Hessian(model, x, y, loss=loss, batch_size=batch_size) @ Mis
+        S = Mis()
+        op = S @ Hessian(model, x, y, loss=loss, batch_size=batch_size) @ S
         est = stochastic_trace(op, estimator, num_probes, rtol, max_probes, seed, 0.0, fns.paths, verbose)
         est.info.update(_common.data_info(x, batch_size), split=False)
     est.info.update(info)

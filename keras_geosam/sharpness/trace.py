@@ -46,7 +46,8 @@ def split_trace(model, x, y, inverse=None, inverse_sqrt=None, num_probes=10, rto
     """``tr(M^-1 H) = tr(M^-1 GGN)`` (exact) ``+ tr(M^-1 (H - GGN))`` (probes).
 
     `inverse` is ``M^-1`` (None: the identity, giving ``tr H``) and
-    `inverse_sqrt` ``M^-1/2``, used for the symmetric probe form
+    `inverse_sqrt` ``M^-1/2`` or a function returning it (called only when
+    the residual needs probes), used for the symmetric probe form
     ``z^T M^-1/2 (H - GGN) M^-1/2 z``. Returns an :class:`Estimate` whose
     ``info`` says which parts were exact.
     """
@@ -62,6 +63,8 @@ def split_trace(model, x, y, inverse=None, inverse_sqrt=None, num_probes=10, rto
         )
         return Estimate(value=exact, stderr=0.0, num_samples=0, per_layer=per_layer, info=info)
     op = GGNResidual(model, x, y, loss=loss, batch_size=batch_size)
+    if callable(inverse_sqrt):
+        inverse_sqrt = inverse_sqrt()
     if inverse_sqrt is not None:
         op = inverse_sqrt @ op @ inverse_sqrt
     est = stochastic_trace(op, estimator, num_probes, rtol, max_probes, seed, exact, fns.paths, verbose)

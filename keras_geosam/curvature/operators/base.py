@@ -166,9 +166,16 @@ class Scaled(LinearOperator):
         return [self.scale * d for d in self.op.diagonal()]
 
     def inverse(self, damping=0.0, relative=False):
+        # (c A + d I)^-1 = (1/c) (A + (d/c) I)^-1; relative damping scales with A.
         if self.scale <= 0:
             raise ValueError("Only a positive multiple of an operator has a structured inverse.")
         return Scaled(self.op.inverse(damping / self.scale if not relative else damping, relative), 1.0 / self.scale)
+
+    def inverse_sqrt(self, damping=0.0, relative=False):
+        if self.scale <= 0:
+            raise ValueError("Only a positive multiple of an operator has a structured inverse square root.")
+        inner = self.op.inverse_sqrt(damping / self.scale if not relative else damping, relative)
+        return Scaled(inner, self.scale**-0.5)
 
 
 class Product(LinearOperator):

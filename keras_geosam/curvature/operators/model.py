@@ -230,11 +230,17 @@ Fisher = GGN
 def _one_block_per_variable(weight, shapes):
     if weight is None:
         return [None] * len(shapes)
+    if weight.shapes != [tuple(s) for s in shapes]:
+        raise ValueError(f"trace_with: the weight acts on tensors {weight.shapes}, the model's variables are {list(shapes)}.")
     if isinstance(weight, Diagonal):
         return [Diagonal([v]) for v in weight.values]
-    if isinstance(weight, BlockDiagonal) and all(len(b.shapes) == 1 for b in weight.blocks):
+    if isinstance(weight, BlockDiagonal) and all(len(b.shapes) == 1 and isinstance(b, (Diagonal, EKFAC)) for b in weight.blocks):
         return list(weight.blocks)
-    raise ValueError("trace_with needs a Diagonal or a BlockDiagonal with one block per variable.")
+    raise ValueError(
+        "trace_with needs a Diagonal, or a BlockDiagonal with one Diagonal or orthogonal EKFAC block per "
+        "variable (e.g. GGN(...).kfac().inverse(...)); got "
+        f"{type(weight).__name__}" + (f" with blocks {[type(b).__name__ for b in weight.blocks]}" if isinstance(weight, BlockDiagonal) else "") + "."
+    )
 
 
 def _add_stats(a, b):

@@ -24,6 +24,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_geosam import backend
 from keras_geosam.curvature.operators.base import LinearOperator
 from keras_geosam.curvature.operators.base import flatten
 from keras_geosam.curvature.operators.base import scalar
@@ -84,6 +85,7 @@ class Diagonal(LinearOperator):
         return cls(list(params))
 
     def matmat(self, vectors):
+        vectors = self.check(vectors)
         return [ops.cast(d, v.dtype)[None] * v for d, v in zip(self.values, vectors)]
 
     def diagonal(self):
@@ -137,7 +139,7 @@ class KFAC(LinearOperator):
         return cls(params[0], params[1], shape, split)
 
     def matmat(self, vectors):
-        (X,) = vectors
+        (X,) = self.check(vectors)
         k = ops.shape(X)[0]
         Y = ops.reshape(X, (k,) + self.view)
         Y = ops.einsum("ij,kjl,ml->kim", ops.cast(self.A, X.dtype), Y, ops.cast(self.B, X.dtype))
@@ -151,10 +153,13 @@ class KFAC(LinearOperator):
         return ops.trace(self.A) * ops.trace(self.B)
 
     def eigh(self):
-        """Eigenvalues and eigenvectors of both (symmetrised) factors."""
-        la, qa = ops.eigh((self.A + ops.transpose(self.A)) / 2)
-        lb, qb = ops.eigh((self.B + ops.transpose(self.B)) / 2)
-        return la, qa, lb, qb
+        """Eigenvalues and eigenvectors of both (symmetrised) factors, computed
+        once per operator (inverse and inverse_sqrt share them)."""
+        if getattr(self, "_eigh", None) is None:
+            la, qa = backend.eigh((self.A + ops.transpose(self.A)) / 2)
+            lb, qb = backend.eigh((self.B + ops.transpose(self.B)) / 2)
+            self._eigh = (la, qa, lb, qb)
+        return self._eigh
 
     def _spectral(self, damping, relative, power, rcond):
         # Damping acts on the Kronecker product itself, A kron B + lambda I,
@@ -201,7 +206,7 @@ class EKFAC(LinearOperator):
         return cls(params[0], params[1], params[2], shape, split)
 
     def matmat(self, vectors):
-        (X,) = vectors
+        (X,) = self.check(vectors)
         k = ops.shape(X)[0]
         QA, QG, s = (ops.cast(t, X.dtype) for t in (self.QA, self.QG, self.s))
         Y = ops.reshape(X, (k,) + self.view)
@@ -273,6 +278,7 @@ class BlockDiagonal(LinearOperator):
         return out
 
     def matmat(self, vectors):
+        vectors = self.check(vectors)
         return [y for b, v in zip(self.blocks, self.split_list(vectors)) for y in b.matmat(v)]
 
     def diagonal(self):
@@ -306,7 +312,7 @@ class Dense(LinearOperator):
         self.matrix = matrix
 
     def matmat(self, vectors):
-        V = flatten(vectors)
+        V = flatten(self.check(vectors))
         return unflatten(ops.einsum("kj,ij->ki", V, ops.cast(self.matrix, V.dtype)), self.shapes)
 
     def diagonal(self):
@@ -316,7 +322,7 @@ class Dense(LinearOperator):
         return ops.trace(self.matrix)
 
     def _spectral(self, damping, relative, power, rcond):
-        w, q = ops.eigh((self.matrix + ops.transpose(self.matrix)) / 2)
+        w, q = backend.eigh((self.matrix + ops.transpose(self.matrix)) / 2)
         lam = _absolute(damping, relative, mean(w))
         rcond = self.dim * _eps(w.dtype) if rcond is None else rcond
         f = spectral(w, lam, power, rcond)
