@@ -14,17 +14,41 @@ import sys
 import time
 
 
+def _positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_ints(text):
+    return [_positive_int(t.strip()) for t in text.split(",") if t.strip()] or _positive_int("")
+
+
+def _positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
 def _parse(argv):
     p = argparse.ArgumentParser(prog="keras-geosam", description=__doc__.splitlines()[0])
     p.add_argument("--dataset", default="digits", help="comma-separated: digits, mnist1d (offline), mnist, cifar10 (cached keras.datasets)")
     p.add_argument("--compare", action="store_true", help=f"optimizer comparison: --optimizers {COMPARISON} at one batch size (32) on digits and mnist1d unless given")
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--batch-sizes", default="16,256", help="comma-separated batch sizes, one run each per optimizer")
+    p.add_argument("--epochs", type=_positive_int, default=20)
+    p.add_argument("--batch-sizes", type=_positive_ints, default="16,256", help="comma-separated batch sizes, one run each per optimizer")
     p.add_argument("--optimizers", default="sgd", help="comma-separated: " + ", ".join(sorted(OPTIMIZERS)))
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--probe-size", type=int, default=256, help="examples used for sharpness")
-    p.add_argument("--num-probes", type=int, default=10)
-    p.add_argument("--log-every", type=int, default=1, help="epochs between sharpness logs")
+    p.add_argument("--lr", type=_positive_float, default=0.05)
+    p.add_argument("--probe-size", type=_positive_int, default=256, help="examples used for sharpness")
+    p.add_argument("--num-probes", type=_positive_int, default=10, help="Hutchinson probes per round (rtol 0.05)")
+    p.add_argument("--log-every", type=_positive_int, default=1, help="epochs between sharpness logs")
     p.add_argument("--output", default="geosam_output")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--backend", choices=["jax", "tensorflow", "torch"], help="re-runs under this KERAS_BACKEND")
@@ -126,7 +150,7 @@ def run_dataset(args, dataset):
     for n in names:
         if n not in OPTIMIZERS:
             raise SystemExit(f"unknown optimizer {n!r}; choose from {sorted(OPTIMIZERS)}")
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    batch_sizes = list(args.batch_sizes)
     print(
         f"keras_geosam main job: backend={keras.backend.backend()} dataset={dataset} "
         f"train={len(x_tr)} test={len(x_te)} epochs={args.epochs} probe examples={len(xp)}"
@@ -276,7 +300,7 @@ def main(argv=None):
         if not any(a.startswith("--optimizers") for a in argv_given):
             args.optimizers = COMPARISON
         if not any(a.startswith("--batch-sizes") for a in argv_given):
-            args.batch_sizes = "32"
+            args.batch_sizes = [32]
         if not any(a.startswith("--dataset") for a in argv_given):
             args.dataset = "digits,mnist1d"
     if args.backend and os.environ.get("KERAS_BACKEND") != args.backend:

@@ -239,13 +239,17 @@ def hash_bits(seed, stream, rows, cols):
 
 
 def hash_rademacher(seed, start, count, shapes, stream="hutchinson"):
-    """Probes start..start+count-1 as a list of (count,) + shape float64 arrays."""
+    """Probes start..start+count-1 as a list of (count,) + shape float64
+    arrays: coordinate j (numbered across the list) is -1 where bit j % 32
+    of word j // 32 is set."""
     rows = np.arange(start, start + count)
     out, offset = [], 0
     for shape in shapes:
         size = int(np.prod(shape, dtype=np.int64))
-        h = hash_bits(seed, stream, rows, np.arange(offset, offset + size))
-        out.append(np.where(h < 0, -1.0, 1.0).reshape((count,) + tuple(shape)))
+        j = np.arange(offset, offset + size)
+        words = hash_bits(seed, stream, rows, j // 32).view(np.uint32)
+        bit = (words >> (j % 32).astype(np.uint32)[None, :]) & np.uint32(1)
+        out.append(np.where(bit == 1, -1.0, 1.0).reshape((count,) + tuple(shape)))
         offset += size
     return out
 

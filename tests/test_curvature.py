@@ -672,7 +672,8 @@ def test_float32_results_agree_across_backends(tmp_path):
                 if not np.array_equal(results[b][key], base[key]):
                     problems.append(f"{b}: sampled labels differ from jax")
                 continue
-            assert results[b][key].dtype == np.float32, (b, key)
+            if key not in ESTIMATES:  # estimates are float64 summaries of float32 work
+                assert results[b][key].dtype == np.float32, (b, key)
             err = ref.rel_err(results[b][key], base[key])
             # Estimates pass through (pseudo-)inverses of the metric: 1e-5.
             tol = CROSS_BACKEND_ESTIMATES if key in ESTIMATES else CROSS_BACKEND

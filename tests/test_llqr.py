@@ -556,3 +556,29 @@ def test_callback_refresh_with_steps_per_execution_is_not_silently_skipped():
         return
     assert int(to_np(opt.iterations)) == 12
     assert cb.num_refreshes == 4, f"{cb.num_refreshes} refreshes for 4 due steps (0, 3, 6, 9)"
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="the truncation warning is JAX's, without x64")
+def test_building_and_refreshing_gives_no_dtype_warnings():
+    """The refresh counter uses Keras' integer type: no 'int64 requested ...
+    truncated' warning on JAX without x64 (the tests run with x64, so a
+    fresh process checks it)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import warnings, numpy as np, keras, keras_geosam as kg\n"
+        "warnings.simplefilter('always')\n"
+        "m = kg.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation='sigmoid'), keras.layers.Dense(3)])\n"
+        "m.compile(optimizer=kg.optimizers.LLQRSAM(keras.optimizers.SGD(0.1), refresh_every=1),\n"
+        "          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))\n"
+        "x = np.random.default_rng(0).normal(size=(8, 3)).astype('float32')\n"
+        "m.fit(x, np.arange(8) % 3, batch_size=4, epochs=1, verbose=0)\n"
+        "print('refreshes', int(keras.ops.convert_to_numpy(m.optimizer.refreshes)))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "JAX_ENABLE_X64"}
+    env["KERAS_BACKEND"] = "jax"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "refreshes 2" in out.stdout
+    assert "int64" not in out.stderr, out.stderr[-3000:]

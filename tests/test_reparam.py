@@ -287,3 +287,13 @@ def test_refuses_pooling_that_mixes_channels():
     )
     _set_weights(model)
     _check_refused(model, "conv", np.array([1.0, 2.0, 3.0]), "mixes channels")
+
+
+@pytest.mark.parametrize("alpha", [np.ones(3), np.ones((2, 5))])
+def test_alpha_of_the_wrong_length_is_refused(alpha):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="relu"), keras.layers.Dense(3)])
+    before = [np.array(keras.ops.convert_to_numpy(v)) for v in model.weights]
+    with pytest.raises(ValueError, match="one value per output unit"):
+        rescale(model, model.layers[0], alpha)
+    for v, b in zip(model.weights, before):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(v), b)

@@ -1027,3 +1027,21 @@ def test_estimate_repr_and_float():
     assert float(est) == est.value
     one = ks.hessian_trace(case.model, case.x, case.y, num_probes=1, rtol=None, split=False)
     assert math.isnan(one.stderr)
+
+
+@pytest.mark.parametrize("fn", ["hessian_trace", "riemannian_sharpness", "hessian_max_eigenvalue", "fisher_diagonal"])
+def test_labels_out_of_range_get_a_clear_error(fn):
+    case = get_case("sigmoid_mlp")
+    f = getattr(ks, fn)
+    kw = {"kind": "empirical"} if fn == "fisher_diagonal" else {}
+    for bad in (K, -1):
+        y = case.y.copy()
+        y[2] = bad
+        with pytest.raises(ValueError, match=r"\[0, 3\)"):
+            f(case.model, case.x, y, **kw)
+
+
+def test_a_single_example_warns():
+    case = get_case("sigmoid_mlp")
+    with pytest.warns(UserWarning, match="single example"):
+        ks.hessian_trace(case.model, case.x[:1], case.y[:1], num_probes=2, rtol=None)

@@ -36,8 +36,9 @@ from keras import ops
 from keras_geosam import backend
 from keras_geosam.curvature.layers import rules_for
 
-# Largest intermediate (in elements) a chunk may create: ~64 MB in float32.
-MAX_ELEMENTS = 1 << 24
+# Largest intermediate (in elements) a chunk may create: 4 MB in float32,
+# about one batch of activations of a mid-sized MLP (bounds peak memory).
+MAX_ELEMENTS = 1 << 20
 
 
 class Capture:
@@ -197,6 +198,10 @@ class Capture:
             i = [i for i, j in kfac_index.items() if j == q][0]
             rotated[i] = (ops.einsum("ntm,ml->ntl", rows[i], ops.cast(QA, rows[i].dtype)), QB, W)
         B = [None] * len(self.rules)
+        # One position per example (T = 1): g_jn^2 = a_n^2 (delta_jn^2)^T, so
+        # sum_j delta_jn^2 (N x n) is accumulated over the column chunks and
+        # met with a^2 once at the end (one m x n product, not one per chunk).
+        dsq, dsq_rot = {}, {}
         for start in range(0, k, chunk):
             deltas = pull(cot[start : start + chunk])
             for i, rule in enumerate(self.rules):
@@ -208,15 +213,30 @@ class Capture:
                     continue
                 d = self._deltas(rule, i, records, deltas, slot)
                 kpos = self.position[id(rule.kernel)]
+                single = int(rows[i].shape[1]) == 1
                 if kfac_index[i] in kernel_diag:
-                    _add(out["diag"], kpos, ops.reshape(_squared_gradients(rows[i], d), rule.kernel.shape))
+                    if single:
+                        _add(dsq, i, ops.sum(ops.square(d[:, :, 0]), axis=0))
+                    else:
+                        _add(out["diag"], kpos, ops.reshape(_squared_gradients(rows[i], d), rule.kernel.shape))
                 if factors:
                     b = ops.einsum("kntj,kntl->jl", d, d)
                     B[i] = b if B[i] is None else B[i] + b
                 if i in rotated:
                     ar, QB, W = rotated[i]
                     dr = ops.einsum("kntj,jl->kntl", d, ops.cast(QB, d.dtype))
-                    _add(out["quad"], kpos, ops.sum(ops.cast(W, d.dtype) * _squared_gradients(ar, dr)))
+                    if single:
+                        _add(dsq_rot, i, ops.sum(ops.square(dr[:, :, 0]), axis=0))
+                    else:
+                        _add(out["quad"], kpos, ops.sum(ops.cast(W, d.dtype) * _squared_gradients(ar, dr)))
+        for i, s in dsq.items():
+            rule = self.rules[i]
+            _add(out["diag"], self.position[id(rule.kernel)], ops.reshape(ops.einsum("nm,nj->mj", ops.square(rows[i][:, 0]), s), rule.kernel.shape))
+        for i, s in dsq_rot.items():
+            ar, _, W = rotated[i]
+            kpos = self.position[id(self.rules[i].kernel)]
+            # sum_mj W_mj sum_n ar_nm^2 s_nj, without forming the m x n product
+            _add(out["quad"], kpos, ops.sum(ops.einsum("nm,mj->nj", ops.square(ar[:, 0]), ops.cast(W, s.dtype)) * s))
         if factors:
             out["B"] = [b for b, a in zip(B, rows) if a is not None]
         return out

@@ -286,6 +286,26 @@ def check_data(x, y=None, labels_needed=True):
     return x, y
 
 
+def check_labels(fns, x, y):
+    """Integer labels of a sparse cross-entropy must lie in [0, classes):
+    outside it some backends return numbers (JAX gathers clamp)."""
+    if y is None or not (fns.spec.classifier and fns.spec.sparse):
+        return
+    labels = np.asarray(ops.convert_to_numpy(y))
+    if labels.size == 0:
+        return
+    if not np.issubdtype(labels.dtype, np.integer) and not np.all(np.mod(labels, 1) == 0):
+        raise ValueError("Sparse cross-entropy labels must be integers (class ids).")
+    shape = getattr(fns.model, "output_shape", None)
+    classes = shape[-1] if isinstance(shape, tuple) and shape and shape[-1] else None
+    if classes is None:
+        first = x[:1] if not isinstance(x, (list, tuple)) else type(x)(e[:1] for e in x)
+        classes = int(ops.shape(fns.outputs(fns.params(), fns.non_trainable(), first)[0])[-1])
+    low, high = labels.min(), labels.max()
+    if low < 0 or high >= classes:
+        raise ValueError(f"Labels must lie in [0, {classes}) for this {classes}-class model; got values in [{low}, {high}].")
+
+
 def num_examples(x):
     first = x[0] if isinstance(x, (list, tuple)) else x
     return int(ops.shape(first)[0])

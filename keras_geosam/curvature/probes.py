@@ -71,19 +71,17 @@ def _uniform(h, dtype):
 
 def _rademacher_body(k, start, *, count, shapes, dtype):
     rows = ops.add(ops.arange(0, count, dtype="int32"), ops.cast(start, "int32"))
-    shifts = ops.arange(0, 32, dtype="int32")
+    # Each byte of a word indexes a table of its 8 signs: one gather writes
+    # the probe, instead of several passes over count x dim elements.
+    table = ops.convert_to_tensor(np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, -1.0, 1.0), dtype=dtype)
     out, offset = [], 0
     for shape in shapes:
         size = int(np.prod(shape, dtype=np.int64))
         w0, w1 = offset // 32, (offset + size - 1) // 32 + 1
         h = bits(k, rows, ops.arange(w0, w1, dtype="int32"))  # (count, words)
-        full = (count, w1 - w0, 32)
-        b = ops.bitwise_and(
-            ops.right_shift(ops.broadcast_to(h[:, :, None], full), ops.broadcast_to(shifts[None, None, :], full)),
-            _const(1),
-        )
-        b = ops.reshape(b, (count, 32 * (w1 - w0)))[:, offset - 32 * w0 : offset - 32 * w0 + size]
-        signs = 1.0 - 2.0 * ops.cast(b, dtype)
+        octets = ops.stack([ops.bitwise_and(ops.right_shift(h, 8 * i), _const(255)) for i in range(4)], axis=-1)
+        signs = ops.take(table, octets, axis=0)  # (count, words, 4, 8): bit 8 i + j of each word
+        signs = ops.reshape(signs, (count, 32 * (w1 - w0)))[:, offset - 32 * w0 : offset - 32 * w0 + size]
         out.append(ops.reshape(signs, (count,) + tuple(shape)))
         offset += size
     return out

@@ -19,6 +19,7 @@ import warnings
 import numpy as np
 from keras import ops
 
+from keras_geosam import backend
 from keras_geosam.curvature import probes
 from keras_geosam.curvature.operators.base import flatten
 from keras_geosam.curvature.operators.base import per_tensor_inner
@@ -36,6 +37,17 @@ def check_positive_int(name, value):
     return int(value)
 
 
+_INNER = {}
+
+
+def _inner(z, w):
+    """Compiled per-tensor inner products (one kernel, not one op per tensor)."""
+    key = tuple(tuple(int(d) for d in ops.shape(t)) for t in z)
+    if key not in _INNER:
+        _INNER[key] = backend.compile(per_tensor_inner)
+    return _INNER[key](z, w)
+
+
 def _block_size(op):
     return max(1, MAX_BLOCK_ELEMENTS // max(op.dim, 1))
 
@@ -48,7 +60,7 @@ def quadratic_forms(op, start, count, seed, stream="hutchinson"):
     for s in range(start, start + count, step):
         k = min(step, start + count - s)
         z = probes.rademacher(seed, s, k, op.shapes, op.dtype, stream)
-        out.append(np.asarray(ops.convert_to_numpy(per_tensor_inner(z, op.matmat(z))), dtype="float64"))
+        out.append(np.asarray(ops.convert_to_numpy(_inner(z, op.matmat(z))), dtype="float64"))
     return np.concatenate(out, axis=0)
 
 

@@ -25,7 +25,7 @@ class PreconditionedOptimizer(TwoPassOptimizer):
         super().__init__(base_optimizer, **kwargs)
         self.preconditioner = LearnedPreconditioner(structure=structure, divergence=divergence, refresh_every=refresh_every, **options)
 
-    refreshes = property(lambda self: self.preconditioner.refreshes, doc="How many refreshes U has had (an int64 optimizer variable).")
+    refreshes = property(lambda self: self.preconditioner.refreshes, doc="How many refreshes U has had (an integer optimizer variable).")
 
     def build_state(self, var_list):
         self.preconditioner.build(self, var_list)

@@ -103,7 +103,9 @@ class LearnedPreconditioner:
         for i, name, shape, init, _ in structures.param_specs(self.layout):
             init = keras.initializers.Identity() if init == "identity" else init
             self.variables.append(optimizer.add_variable(shape, initializer=init, name=f"U{i}_{name}"))
-        self.refreshes = optimizer.add_variable((), initializer="zeros", dtype="int64", name="refreshes")
+        # dtype "int", as Keras' own `iterations`: int64 where the backend
+        # has it, int32 on JAX without x64 (no truncation warning).
+        self.refreshes = optimizer.add_variable((), initializer="zeros", dtype="int", name="refreshes")
 
     def operator(self):
         """U now, as a :class:`~keras_geosam.curvature.BlockDiagonal`."""
@@ -160,7 +162,7 @@ class LearnedPreconditioner:
         new = ops.cond(due, lambda: self.refreshed(model, values, non_trainable, x, y), lambda: current)
         for p, value in zip(self.variables, new):
             p.assign(value)
-        self.refreshes.assign_add(ops.cast(due, "int64"))
+        self.refreshes.assign_add(ops.cast(due, self.refreshes.dtype))
 
     def refresh_now(self, model, x, y):
         """Refreshes U eagerly on batch ``(x, y)`` at the model's weights."""

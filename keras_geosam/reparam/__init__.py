@@ -90,7 +90,13 @@ def rescale(model, layer, alpha, next_layer=None):
             f"{type(layer).__name__}."
         )
     units = int(layer.kernel.shape[-1])
-    alpha = np.broadcast_to(np.asarray(alpha, dtype="float64"), (units,)).copy()
+    alpha = np.asarray(alpha, dtype="float64")
+    if alpha.ndim > 1 or alpha.size not in (1, units):
+        raise ValueError(
+            f"alpha must be a scalar or hold one value per output unit of {layer.name!r} "
+            f"({units}); got shape {alpha.shape}."
+        )
+    alpha = np.broadcast_to(alpha.reshape(-1) if alpha.ndim else alpha, (units,)).copy()
     acts = {_activation_name(layer.activation)}
     path_kinds = []
     # Which output unit of `layer` every feature along the channel axis of

@@ -25,6 +25,7 @@ from keras_geosam.curvature import probes
 from keras_geosam.curvature.capture import Capture
 from keras_geosam.curvature.functional import batches
 from keras_geosam.curvature.functional import check_data
+from keras_geosam.curvature.functional import check_labels
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.functional import num_examples
 from keras_geosam.curvature.losses import require_classifier
@@ -61,6 +62,7 @@ class ModelOperator(LinearOperator):
         self.fns = model_functions(model, loss, training)
         super().__init__([tuple(v.shape) for v in self.fns.variables], self.fns.variables[0].dtype)
         self.x, self.y = check_data(x, y, labels_needed=self.needs_labels)
+        check_labels(self.fns, self.x, self.y)
         self.num_examples = num_examples(self.x)
         self.batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
 
