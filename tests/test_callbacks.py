@@ -14,7 +14,8 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from keras.src.backend.common import global_state
+
+from dtypes import keras_dtype
 
 from keras_geosam import sharpness as ks
 from keras_geosam.callbacks import SharpnessLogger
@@ -25,14 +26,8 @@ TOL = 1e-6
 
 @pytest.fixture(autouse=True)
 def _float32():
-    # Build in float32 whatever other modules left behind; Keras caches its
-    # dtype policy at the first layer, so set it too and restore it exactly.
-    old, old_policy = keras.config.floatx(), global_state.get_global_attribute("dtype_policy", None)
-    keras.config.set_floatx("float32")
-    keras.config.set_dtype_policy("float32")
-    yield
-    keras.config.set_floatx(old)
-    global_state.set_global_attribute("dtype_policy", old_policy)
+    with keras_dtype("float32"):
+        yield
 
 
 def _data(seed=0):

@@ -39,9 +39,9 @@ import numpy as np
 import pytest
 import scipy.linalg
 from keras import ops
-from keras.src.backend.common import global_state
 
 import reference as ref
+from dtypes import keras_dtype
 from keras_geosam import curvature as cv
 
 EXACT = 1e-8
@@ -52,15 +52,8 @@ N, K = 12, 3
 # ------------------------------------------------ float64 and lossy ops ----
 @pytest.fixture(scope="module", autouse=True)
 def _module_float64():
-    # Keras caches its global dtype policy from floatx at the first layer it
-    # builds: set the policy too, and restore both exactly ("not yet cached"
-    # included).
-    old, old_policy = keras.config.floatx(), global_state.get_global_attribute("dtype_policy", None)
-    keras.config.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
-    yield
-    keras.config.set_floatx(old)
-    global_state.set_global_attribute("dtype_policy", old_policy)
+    with keras_dtype("float64"):
+        yield
 
 
 @functools.lru_cache(maxsize=None)

@@ -43,9 +43,9 @@ import keras
 import numpy as np
 import pytest
 import scipy.stats
-from keras.src.backend.common import global_state
 
 import reference as ref
+from dtypes import keras_dtype
 from keras_geosam import sharpness as ks
 from keras_geosam.curvature.layers import ConvRule
 from keras_geosam.reparam import rescale
@@ -270,15 +270,8 @@ _CASES = {}
 
 @pytest.fixture(scope="module", autouse=True)
 def _module_float64():
-    # Keras caches its global dtype policy from floatx at the first layer it
-    # builds (later set_floatx calls do not change it): set the policy too,
-    # and restore both exactly, "not yet cached" included.
-    old, old_policy = keras.config.floatx(), global_state.get_global_attribute("dtype_policy", None)
-    keras.config.set_floatx("float64")
-    keras.config.set_dtype_policy("float64")
-    yield
-    keras.config.set_floatx(old)
-    global_state.set_global_attribute("dtype_policy", old_policy)
+    with keras_dtype("float64"):
+        yield
 
 
 def get_case(name):

@@ -24,7 +24,8 @@ import warnings
 import keras
 import numpy as np
 import pytest
-from keras.src.backend.common import global_state
+
+from dtypes import keras_dtype
 
 from keras_geosam import sharpness as ks
 
@@ -33,12 +34,8 @@ L = keras.layers
 
 @pytest.fixture(autouse=True)
 def _float32():
-    old, old_policy = keras.config.floatx(), global_state.get_global_attribute("dtype_policy", None)
-    keras.config.set_floatx("float32")
-    keras.config.set_dtype_policy("float32")
-    yield
-    keras.config.set_floatx(old)
-    global_state.set_global_attribute("dtype_policy", old_policy)
+    with keras_dtype("float32"):
+        yield
 
 
 @functools.lru_cache(maxsize=None)
