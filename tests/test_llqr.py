@@ -582,3 +582,33 @@ def test_building_and_refreshing_gives_no_dtype_warnings():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "refreshes 2" in out.stdout
     assert "int64" not in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("structure", ["diagonal", "kfac"])
+def test_a_skipped_step_leaves_u_and_the_refresh_count_alone(structure):
+    """A NaN batch on a refresh-due step: U, `refreshes` and every optimizer
+    variable stay as they were, and the refresh happens on the next finite
+    step, so [NaN, good, good] equals an uninterrupted [good, good]."""
+    x, y = ref.make_data(46, 8, D_IN, K)
+    bad = x[:4].copy()
+    bad[1, 0] = np.nan
+    runs = {}
+    for name, (xs, ys) in {"with_nan": (np.concatenate([bad, x]), np.concatenate([y[:4], y])), "clean": (x, y)}.items():
+        opt = kg.optimizers.LLQRSAM(sgd(0.1), structure=structure, refresh_every=2, rho=0.2)
+        model, _ = build(opt)
+        rec = Recorder()
+        hist = fit(model, xs, ys, 4, callbacks=[rec])
+        runs[name] = (model, rec, hist)
+    model, rec, hist = runs["with_nan"]
+    clean_model, clean_rec, _ = runs["clean"]
+    assert hist.history["skipped_steps"] == [1.0]  # a count
+    # After the NaN batch: nothing moved, U is still the identity.
+    assert rec.refreshes[0] == 0
+    identity = [np.ones(u.shape) if len(u.shape) != 2 or "_d" in u.name or "_s" in u.name else np.eye(u.shape[0])
+                for u in model.optimizer.preconditioner.variables]
+    assert_close(rec.u[0], identity, rtol=0, atol=0)
+    # Then the refresh that was due: the same as without the NaN batch.
+    assert rec.refreshes[1:] == clean_rec.refreshes == [1, 1]
+    assert_close(rec.u[-1], clean_rec.u[-1], rtol=1e-6, atol=1e-7)
+    assert_close(ref.weights_of(model), ref.weights_of(clean_model), rtol=1e-6, atol=1e-7)
+    assert int(to_np(model.optimizer.iterations)) == 2

@@ -113,7 +113,10 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
     # ---------------------------------------------------------- hooks ----
     def prepare_step(self, model, values, non_trainable, x, y):
         """Runs before the centre pass at the unperturbed weights, with the
-        step's batch (LLQR refreshes U here). Nothing by default."""
+        step's batch (LLQR refreshes U here). Returns ``[(variable, value
+        before)]`` for every variable it wrote: a step skipped for non-finite
+        values puts them back. Nothing by default."""
+        return []
 
     def check_model(self, model, refresh_source=None):
         """Raises if `model` (compiled) cannot be trained by this optimizer.

@@ -34,7 +34,7 @@ class PreconditionedOptimizer(TwoPassOptimizer):
         self.preconditioner.check_model(model, refresh_source)
 
     def prepare_step(self, model, values, non_trainable, x, y):
-        self.preconditioner.prepare_step(self.iterations, model, values, non_trainable, x, y)
+        return self.preconditioner.prepare_step(self.iterations, model, values, non_trainable, x, y)
 
     def precondition(self, vectors):
         """U v for a list like the trainable variables."""

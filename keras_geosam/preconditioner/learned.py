@@ -154,15 +154,23 @@ class LearnedPreconditioner:
         )
 
     def prepare_step(self, iterations, model, values, non_trainable, x, y):
-        """In-step refresh when due (``refresh_source="step"``), without retracing."""
+        """In-step refresh when due (``refresh_source="step"``), without
+        retracing. Returns ``[(variable, value before)]``: a step skipped for
+        non-finite values restores them, so U and the refresh count do not
+        move and the refresh happens on the next finite step (``iterations``
+        does not advance on a skipped step)."""
         if self.refresh_source != "step":
-            return
+            return []
         due = ops.equal(ops.mod(iterations, self.refresh_every), 0)
+        state = self.variables + [self.refreshes]
+        # Copies: torch assigns in place, which would change a plain read.
+        before = [ops.copy(v.value) for v in state]
         current = [p.value for p in self.variables]
         new = ops.cond(due, lambda: self.refreshed(model, values, non_trainable, x, y), lambda: current)
         for p, value in zip(self.variables, new):
             p.assign(value)
         self.refreshes.assign_add(ops.cast(due, self.refreshes.dtype))
+        return list(zip(state, before))
 
     def refresh_now(self, model, x, y):
         """Refreshes U eagerly on batch ``(x, y)`` at the model's weights."""

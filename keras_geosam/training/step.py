@@ -16,8 +16,9 @@ so the perturbed pass draws a fresh mask (``optimizer.dropout="fresh"``).
 
 Non-finite values: if the loss or either gradient holds NaN/Inf (or a
 gradient's squared norm overflows the float type, i.e. a norm beyond ~1e19
-in float32) the whole step is skipped: weights, optimizer state and
-BatchNorm statistics stay as they were, the ``skipped_steps`` metric counts
+in float32) the whole step is skipped: weights, optimizer state (a U
+refreshed in this step included) and BatchNorm statistics stay as they were,
+the ``skipped_steps`` metric counts
 it, and under mixed_float16 the loss scale is halved. Nothing non-finite
 reaches the weights. The check reuses the squared norms the SAM statistics
 need anyway, instead of an element-wise isfinite pass over every gradient.
@@ -175,7 +176,7 @@ def stateful_train_step(model, data):
     tv = [v.value for v in model.trainable_variables]
     ntv = [v.value for v in model.non_trainable_variables]
     mv = [v.value for v in model.metrics_variables]
-    opt.prepare_step(model, tv, ntv, x, y)
+    written = opt.prepare_step(model, tv, ntv, x, y)
     r = two_pass(model, opt, tv, ntv, mv, x, y, sw, _scale_of(lso))
 
     def apply(g_c, g_p, new_ntv):
@@ -186,6 +187,10 @@ def stateful_train_step(model, data):
             _loss_scale_grow(lso)
 
     def skip():
+        # A skipped step changes nothing: state prepare_step wrote (a refreshed
+        # U, the refresh count) goes back.
+        for v, value in written:
+            v.assign(value)
         if lso is not None:
             lso._stateful_handle_non_finite_grads()
 
@@ -212,6 +217,7 @@ def stateless_train_step(model, state, data):
     x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
     outer = model.optimizer
     opt, lso = unwrap(outer)
+    before = list(opt_vars)
     with keras.StatelessScope(state_mapping=list(zip(outer.variables, opt_vars))) as scope:
         opt.prepare_step(model, tv, ntv, x, y)
         scale = None if lso is None else ops.convert_to_tensor(lso.dynamic_scale)
@@ -232,7 +238,9 @@ def stateless_train_step(model, state, data):
         )
 
     def skip():
-        with keras.StatelessScope(state_mapping=opt_mapping) as scope:
+        # A skipped step changes nothing: the optimizer state from before
+        # prepare_step (U and the refresh count as they were).
+        with keras.StatelessScope(state_mapping=list(zip(outer.variables, before))) as scope:
             if lso is not None:
                 lso._stateful_handle_non_finite_grads()
         return list(tv), [scope.get_current_value(v) for v in outer.variables]
