@@ -111,3 +111,31 @@ def test_default_sharpness_of_smooth_nets_is_positive_and_resolved(name, metric)
     ratio = values.var(ddof=1) / np.mean(stderr**2)
     assert 0.1 <= ratio <= 5.0, (ratio, values, stderr)
     assert all(not e.info["residual_exact"] and e.info["exact_part"] > 0 for e in est)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's pfor warning")
+def test_no_while_loop_warnings_from_conv_curvature():
+    """Per-example conv gradients come from unfolded patches, not from a
+    vectorised map over the filter gradient (which TF converts to a
+    while_loop, with a warning each time)."""
+    import logging
+
+    messages = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler = Collect()
+    logging.getLogger("tensorflow").addHandler(handler)
+    try:
+        m, x, y = model("relu_cnn")
+        ks.fisher_diagonal(m, x, y)
+        ks.riemannian_sharpness(m, x, y, metric="kfac")
+        ks.hessian_trace(m, x, y, split=False, num_probes=2, rtol=None)
+        from keras_geosam import curvature
+
+        curvature.per_example_gradients(m, x[:8], y[:8])
+    finally:
+        logging.getLogger("tensorflow").removeHandler(handler)
+    assert not [msg for msg in messages if "while_loop" in msg], messages

@@ -557,3 +557,17 @@ def test_jax_data_parallel_equals_one_device(tmp_path):
         single, multi = f["single"], f["multi"]
     assert np.all(np.isfinite(single))
     np.testing.assert_allclose(multi, single, rtol=1e-5, atol=1e-6)
+
+
+def test_one_optimizer_instance_in_two_models_is_refused():
+    """A two-pass optimizer holds one model's state: a second model gets a
+    clear error at compile, on every backend (JAX used to share silently)."""
+    def net():
+        return kg.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+
+    opt = kg.optimizers.SAM(keras.optimizers.SGD(0.1), rho=0.05)
+    first = net()
+    first.compile(optimizer=opt, loss=sce())
+    first.compile(optimizer=opt, loss=sce())  # the same model again: fine
+    with pytest.raises(ValueError, match="one optimizer per model"):
+        net().compile(optimizer=opt, loss=sce())

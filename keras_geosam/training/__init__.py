@@ -7,6 +7,7 @@ train exactly like their Keras parents.
 """
 
 import types
+import weakref
 
 import keras
 from keras.src.models.functional import Functional
@@ -31,6 +32,17 @@ def _prepare(model):
                 'already global. Use perturbation="global".'
             )
     opt.check_model(model)
+    owner = getattr(opt, "_geosam_owner", None)
+    owner = owner() if owner is not None else None
+    if owner is not None and owner is not model:
+        # On JAX the two models would silently share slots and U; TF and
+        # torch fail later, less clearly.
+        raise ValueError(
+            f"This {type(opt).__name__} instance is already compiled into the model "
+            f"{owner.name!r}: a two-pass optimizer holds one model's state (slots, U, "
+            f"averages). Create one optimizer per model."
+        )
+    opt._geosam_owner = weakref.ref(model)
     opt._owned_by_step = True
     # A built subclassed model (keras-hub, keras-cv) locks its state; metrics
     # are no weights, so adding the trackers is safe.
