@@ -612,3 +612,22 @@ def test_a_skipped_step_leaves_u_and_the_refresh_count_alone(structure):
     assert_close(rec.u[-1], clean_rec.u[-1], rtol=1e-6, atol=1e-7)
     assert_close(ref.weights_of(model), ref.weights_of(clean_model), rtol=1e-6, atol=1e-7)
     assert int(to_np(model.optimizer.iterations)) == 2
+
+
+@pytest.mark.parametrize("source", ["step", "callback"])
+def test_gradient_accumulation_refreshes_once_per_optimizer_step(source):
+    """With gradient_accumulation_steps=2 and refresh_every=1, four
+    micro-batches are two optimizer steps: two refreshes (not four), each
+    before the step's first micro-batch, and U constant within a step."""
+    x, y = ref.make_data(47, 16, D_IN, K)
+    base = keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2)
+    opt = kg.optimizers.LLQRSAM(base, refresh_every=1, rho=0.2, refresh_source=source)
+    model, _ = build(opt)
+    rec = Recorder()
+    callbacks = [rec] + ([kg.callbacks.PreconditionerRefresh(x, y, batch_size=4)] if source == "callback" else [])
+    fit(model, x, y, 4, callbacks=callbacks)
+    assert rec.refreshes == [1, 1, 2, 2]
+    assert_close(rec.u[1], rec.u[0], rtol=0, atol=0)  # the same U for both micro-batches
+    assert_close(rec.u[3], rec.u[2], rtol=0, atol=0)
+    assert max_abs_diff(rec.u[2], rec.u[1]) > 1e-6  # ... and a new one at the next step
+    assert int(to_np(opt.iterations)) == 2

@@ -69,8 +69,7 @@ class PreconditionerRefresh(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         opt = self._optimizer()
-        step = int(ops.convert_to_numpy(opt.iterations))
-        if step % opt.refresh_every == 0:
+        if bool(ops.convert_to_numpy(opt.refresh_due())):
             xb, yb = self._next_batch()
             opt.refresh_now(self.model, xb, yb)
             self.num_refreshes += 1

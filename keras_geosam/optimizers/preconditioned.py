@@ -33,8 +33,23 @@ class PreconditionedOptimizer(TwoPassOptimizer):
     def check_model(self, model, refresh_source=None):
         self.preconditioner.check_model(model, refresh_source)
 
+    def refresh_due(self):
+        """True (a tensor) when U is due for a refresh before this step: the
+        optimizer step is a multiple of ``refresh_every`` and, under the base
+        optimizer's gradient accumulation, this is the step's first
+        micro-batch (so a step refreshes once, and every micro-batch of it
+        is preconditioned by the same U)."""
+        from keras import ops
+
+        due = ops.equal(ops.mod(self.iterations, self.refresh_every), 0)
+        k = self.base_optimizer.gradient_accumulation_steps
+        if k:
+            micro = self.base_optimizer._iterations
+            due = ops.logical_and(due, ops.equal(ops.mod(micro, k), 0))
+        return due
+
     def prepare_step(self, model, values, non_trainable, x, y):
-        return self.preconditioner.prepare_step(self.iterations, model, values, non_trainable, x, y)
+        return self.preconditioner.prepare_step(self.refresh_due(), model, values, non_trainable, x, y)
 
     def precondition(self, vectors):
         """U v for a list like the trainable variables."""

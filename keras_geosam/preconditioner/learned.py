@@ -153,15 +153,14 @@ class LearnedPreconditioner:
             min_diagonal=self.min_diagonal,
         )
 
-    def prepare_step(self, iterations, model, values, non_trainable, x, y):
-        """In-step refresh when due (``refresh_source="step"``), without
-        retracing. Returns ``[(variable, value before)]``: a step skipped for
-        non-finite values restores them, so U and the refresh count do not
-        move and the refresh happens on the next finite step (``iterations``
-        does not advance on a skipped step)."""
+    def prepare_step(self, due, model, values, non_trainable, x, y):
+        """In-step refresh if `due` (a boolean tensor; ``refresh_source="step"``),
+        without retracing. Returns ``[(variable, value before)]``: a step
+        skipped for non-finite values restores them, so U and the refresh
+        count do not move and the refresh happens on the next finite step
+        (the iteration count does not advance on a skipped step)."""
         if self.refresh_source != "step":
             return []
-        due = ops.equal(ops.mod(iterations, self.refresh_every), 0)
         state = self.variables + [self.refreshes]
         # Copies: torch assigns in place, which would change a plain read.
         before = [ops.copy(v.value) for v in state]
