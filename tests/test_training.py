@@ -571,3 +571,78 @@ def test_one_optimizer_instance_in_two_models_is_refused():
     first.compile(optimizer=opt, loss=sce())  # the same model again: fine
     with pytest.raises(ValueError, match="one optimizer per model"):
         net().compile(optimizer=opt, loss=sce())
+
+
+class _Subclassed(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.d1 = keras.layers.Dense(5, activation="tanh")
+        self.d2 = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.d2(self.d1(x))
+
+
+keras.saving.register_keras_serializable(package="geosam_tests")(_Subclassed)
+
+
+@pytest.mark.parametrize("kind,style", [("sam", "functional"), ("llqrsam", "subclassed"), ("fsam", "sequential")])
+def test_attached_models_reload_with_all_optimizer_state(kind, style, tmp_path):
+    """kg.attach on a plain functional, subclassed or Sequential model, saved
+    mid-training: keras.models.load_model gives the attached model back with
+    every optimizer variable, and training on equals an uninterrupted run."""
+    x, y = ref.make_data(27, 16, 4, 3)
+
+    def make():
+        base = keras.optimizers.SGD(0.05, momentum=0.9)
+        opt = {"sam": lambda: kg.optimizers.SAM(base, rho=0.3),
+               "fsam": lambda: kg.optimizers.FSAM(base, rho=0.3, momentum=0.6),
+               "llqrsam": lambda: kg.optimizers.LLQRSAM(base, rho=0.2, refresh_every=3)}[kind]()
+        if style == "functional":
+            inp = keras.Input((4,))
+            model = keras.Model(inp, keras.layers.Dense(3)(keras.layers.Dense(5, activation="tanh")(inp)))
+        elif style == "subclassed":
+            model = _Subclassed()
+            model(x[:1])
+        else:
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3)])
+        rng = np.random.default_rng(28)
+        for v in model.trainable_variables:
+            v.assign(0.5 * rng.normal(size=v.shape).astype("float32"))
+        model = kg.attach(model)
+        model.compile(optimizer=opt, loss=sce())
+        return model
+
+    full = make()
+    fit(full, x, y, 8, epochs=4)
+    first = make()
+    fit(first, x, y, 8, epochs=2)
+    path = str(tmp_path / "attached.keras")
+    first.save(path)
+    loaded = keras.models.load_model(path)
+    assert getattr(loaded, "_geosam_attached", False) and type(loaded.optimizer) is type(first.optimizer)
+    assert len(loaded.optimizer.variables) == len(first.optimizer.variables)
+    for a, b in zip(loaded.optimizer.variables, first.optimizer.variables):
+        np.testing.assert_array_equal(to_np(a.value), to_np(b.value), err_msg=a.path)
+    fit(loaded, x, y, 8, epochs=2)
+    assert_weights_close(ref.weights_of(loaded), ref.weights_of(full), rtol=1e-6, atol=1e-6)
+
+
+def test_loading_without_keras_geosam_names_it(tmp_path):
+    """In a process that has not imported keras_geosam, loading a model saved
+    with a two-pass optimizer fails with an error that names keras_geosam."""
+    import os
+    import subprocess
+    import sys
+
+    inp = keras.Input((4,))
+    model = kg.attach(keras.Model(inp, keras.layers.Dense(3)(inp)))
+    model.compile(optimizer=kg.optimizers.SAM(keras.optimizers.SGD(0.1), rho=0.1), loss=sce())
+    x, y = ref.make_data(29, 8, 4, 3)
+    fit(model, x, y, 8)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    code = f"import keras\nkeras.models.load_model({path!r})\n"
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "keras_geosam" in out.stderr

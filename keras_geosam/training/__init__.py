@@ -129,8 +129,11 @@ def attach(model):
     keras-hub) the two-pass step, in place; returns the model.
 
     Works before or after ``compile``. The instance's ``train_step`` and
-    ``compile`` are overridden; the class is untouched, so a saved and
-    reloaded model needs ``kg.attach`` again (or build it from ``kg.Model``).
+    ``compile`` are overridden; the class is untouched. Saved to ``.keras``
+    with a two-pass optimizer, the model comes back attached, with all
+    optimizer state, from ``keras.models.load_model`` once keras_geosam is
+    imported (see ``_compile_from_config``); without keras_geosam the load
+    fails on the optimizer's registered name, ``keras_geosam>...``.
     """
     if isinstance(model, TwoPassStepMixin) or getattr(model, "_geosam_attached", False):
         return model
@@ -160,3 +163,30 @@ def attach(model):
     if model.compiled:
         _prepare(model)
     return model
+
+
+# Loading a model that was attached: Keras rebuilds the plain model class,
+# then compiles it from the saved compile config. When that config holds a
+# keras_geosam two-pass optimizer, the model is attached first, so the
+# optimizer is owned by the two-pass step and its saved state loads into it.
+# Only such configs take this path; every other model compiles as Keras does.
+_stock_compile_from_config = keras.Model.compile_from_config
+
+
+def _names_two_pass_optimizer(config):
+    opt = config.get("optimizer") if isinstance(config, dict) else None
+    if isinstance(opt, dict) and opt.get("class_name") == "LossScaleOptimizer":
+        opt = (opt.get("config") or {}).get("inner_optimizer")
+    return isinstance(opt, dict) and str(opt.get("registered_name", "")).startswith("keras_geosam>")
+
+
+def _compile_from_config(self, config):
+    if isinstance(self, TwoPassStepMixin) or not _names_two_pass_optimizer(config):
+        return _stock_compile_from_config(self, config)
+    attach(self)
+    self.compile(**keras.saving.deserialize_keras_object(config))
+    if self.built:
+        self.optimizer.build(self.trainable_variables)
+
+
+keras.Model.compile_from_config = _compile_from_config
