@@ -631,3 +631,39 @@ def test_gradient_accumulation_refreshes_once_per_optimizer_step(source):
     assert_close(rec.u[3], rec.u[2], rtol=0, atol=0)
     assert max_abs_diff(rec.u[2], rec.u[1]) > 1e-6  # ... and a new one at the next step
     assert int(to_np(opt.iterations)) == 2
+
+
+def test_decay_mask_kernels_leaves_biases_undecayed():
+    """decay_mask="kernels": coupled decay on tensors of >= 2 axes only
+    (NumPy reference); the biases follow U g alone."""
+    wd = 0.3
+    x, y = ref.make_data(48, 16, D_IN, K)
+    model, init = build(kg.optimizers.LLQR(sgd(), refresh_source="callback", coupled_weight_decay=wd, decay_mask="kernels"))
+    random_u(model.optimizer, np.random.default_rng(49))
+    groups = u_groups(model.optimizer)
+    fit(model, x, y, 4)
+    params = [p.copy() for p in init]
+    vel = [np.zeros_like(p) for p in params]
+    for xb, yb in batches_of(x, y, 4):
+        d = [u + (wd * p if p.ndim >= 2 else 0.0) for u, p in zip(apply_u(groups, grad(params, xb, yb)), params)]
+        vel = [0.9 * b - 0.1 * t for b, t in zip(vel, d)]
+        params = [p + b for p, b in zip(params, vel)]
+    assert_close(ref.weights_of(model), params)
+    everything = llqrsam_reference(init, batches_of(x, y, 4), groups, lr=0.1, momentum=0.9, rho=0.0, wd=wd, two_pass=False)
+    assert max_abs_diff(params, everything) > TEETH
+    with pytest.raises(ValueError, match="decay_mask"):
+        kg.optimizers.LLQR(sgd(), decay_mask="biases")
+
+
+def test_refresh_until_stops_refreshing():
+    x, y = ref.make_data(50, 16, D_IN, K)
+    opt = kg.optimizers.LLQRSAM(sgd(), refresh_every=1, refresh_until=2, rho=0.1)
+    model, _ = build(opt)
+    rec = Recorder()
+    fit(model, x, y, 4, callbacks=[rec])
+    assert rec.refreshes == [1, 2, 2, 2]
+    assert_close(rec.u[3], rec.u[1], rtol=0, atol=0)
+    cfg = opt.get_config()
+    assert cfg["refresh_until"] == 2 and kg.optimizers.LLQRSAM.from_config(cfg).get_config() == cfg
+    with pytest.raises(ValueError, match="refresh_until"):
+        kg.optimizers.LLQR(sgd(), refresh_until=0)

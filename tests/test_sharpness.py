@@ -1038,3 +1038,34 @@ def test_a_single_example_warns():
     case = get_case("sigmoid_mlp")
     with pytest.warns(UserWarning, match="single example"):
         ks.hessian_trace(case.model, case.x[:1], case.y[:1], num_probes=2, rtol=None)
+
+
+def _curvature_calls(case, x, y):
+    from keras_geosam import curvature as kc
+
+    vectors = [np.zeros(s) for s in case.shapes]
+    return {
+        "loss_and_gradient": lambda: kc.loss_and_gradient(case.model, x, y),
+        "hvp": lambda: kc.hvp(case.model, x, y, vectors),
+        "per_example_gradients": lambda: kc.per_example_gradients(case.model, x, y),
+        "gradient_noise_alignment": lambda: ks.gradient_noise_alignment(case.model, x, y, batch_size=4, num_batches=2),
+    }
+
+
+@pytest.mark.parametrize("name", ["loss_and_gradient", "hvp", "per_example_gradients", "gradient_noise_alignment"])
+def test_curvature_functions_refuse_bad_data(name):
+    case = get_case("sigmoid_mlp")
+    with pytest.raises(ValueError, match="differ in length"):
+        _curvature_calls(case, case.x, case.y[:-2])[name]()
+    bad = case.x.copy()
+    bad[0, 0] = np.inf
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        _curvature_calls(case, bad, case.y)[name]()
+    y = case.y.copy()
+    y[0] = K + 4
+    with pytest.raises(ValueError, match="Labels must lie"):
+        _curvature_calls(case, case.x, y)[name]()
+    import tensorflow as tf
+
+    with pytest.raises(ValueError, match="Datasets and generators"):
+        _curvature_calls(case, tf.data.Dataset.from_tensor_slices(case.x).batch(4), case.y)[name]()

@@ -14,6 +14,7 @@ from keras_geosam import backend
 from keras_geosam.curvature import probes
 from keras_geosam.curvature.functional import ModelFunctions
 from keras_geosam.curvature.functional import check_data
+from keras_geosam.curvature.functional import check_labels
 from keras_geosam.curvature.functional import batches
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.functional import num_examples
@@ -41,6 +42,8 @@ def loss_and_gradient(model, x, y, params=None, loss=None, batch_size=None, trai
     losses are included unless ``include_regularization=False``.
     """
     fns = model_functions(model, loss, training, include_regularization)
+    check_data(x, y)
+    check_labels(fns, x, y)
     p = fns.params() if params is None else fns.check_vectors(params, "params")
     n = num_examples(x)
     kernel = fns.kernel("loss_and_grad")
@@ -92,6 +95,7 @@ def per_example_gradients(model, x, y, loss=None, batch_size=None, training=Fals
     """
     fns = model_functions(model, loss, training)
     check_data(x, y)
+    check_labels(fns, x, y)
     capture = _capture_of(fns)
     if capture.uncovered or not capture.rules:
         return _concat(fns, fns.kernel("per_example_grads"), x, y, batch_size)
@@ -115,6 +119,7 @@ def sampled_label_gradients(model, x, num_samples=1, seed=0, batch_size=None, tr
     """
     fns = model_functions(model, None, training)
     require_classifier(fns.spec, "sampled_label_gradients")
+    check_data(x, None, labels_needed=False)
     probs = predict_probs(model, x, batch_size=batch_size, training=training)
     labels = sample_labels(probs, num_samples, seed)
     xs = _tile(x, num_samples)

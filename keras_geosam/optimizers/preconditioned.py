@@ -42,6 +42,8 @@ class PreconditionedOptimizer(TwoPassOptimizer):
         from keras import ops
 
         due = ops.equal(ops.mod(self.iterations, self.refresh_every), 0)
+        if self.preconditioner.refresh_until is not None:
+            due = ops.logical_and(due, ops.less(self.iterations, self.preconditioner.refresh_until))
         k = self.base_optimizer.gradient_accumulation_steps
         if k:
             micro = self.base_optimizer._iterations

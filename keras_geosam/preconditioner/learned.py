@@ -22,8 +22,9 @@ DIVERGENCES = ("ngd", "newton")
 REFRESH_SOURCES = ("step", "callback")
 OPTIONS = (
     "refresh_source", "refresh_steps", "inner_learning_rate", "inner_momentum",
-    "clip_norm", "beta", "min_diagonal", "coupled_weight_decay",
+    "clip_norm", "beta", "min_diagonal", "coupled_weight_decay", "refresh_until", "decay_mask",
 )
+DECAY_MASKS = ("all", "kernels")
 
 
 class LearnedPreconditioner:
@@ -54,12 +55,17 @@ class LearnedPreconditioner:
             each refresh.
         coupled_weight_decay: ``wd``; the base optimizer receives
             ``U g + wd * theta`` (decay added after U, never preconditioned).
+        refresh_until: no refresh from this optimizer step on (None: never
+            stop), as the reference's option to freeze U late in training.
+        decay_mask: ``"all"`` (default) decays every tensor; ``"kernels"``
+            only tensors of two or more axes, leaving biases and
+            normalisation scales undecayed, as the reference's mask does.
     """
 
     def __init__(
         self, structure="diagonal", divergence="ngd", refresh_every=1000, refresh_source="step",
         refresh_steps=50, inner_learning_rate=1e-3, inner_momentum=0.9, clip_norm=5.0, beta=None,
-        min_diagonal=1e-8, coupled_weight_decay=0.0,
+        min_diagonal=1e-8, coupled_weight_decay=0.0, refresh_until=None, decay_mask="all",
     ):
         if structure not in structures.STRUCTURES:
             raise ValueError(f"structure must be one of {structures.STRUCTURES}, got {structure!r}.")
@@ -82,6 +88,10 @@ class LearnedPreconditioner:
             raise ValueError(f"beta must be in [0, 1], got {beta!r}.")
         self.min_diagonal = check_number("min_diagonal", min_diagonal)
         self.coupled_weight_decay = check_number("coupled_weight_decay", coupled_weight_decay)
+        self.refresh_until = None if refresh_until is None else _check_int("refresh_until", refresh_until)
+        if decay_mask not in DECAY_MASKS:
+            raise ValueError(f"decay_mask must be one of {DECAY_MASKS}, got {decay_mask!r}.")
+        self.decay_mask = decay_mask
         self.variables = []
         self.refreshes = None
 
@@ -92,6 +102,7 @@ class LearnedPreconditioner:
             "refresh_steps": self.refresh_steps, "inner_learning_rate": self.inner_learning_rate,
             "inner_momentum": self.inner_momentum, "clip_norm": self.clip_norm, "beta": self.beta,
             "min_diagonal": self.min_diagonal, "coupled_weight_decay": self.coupled_weight_decay,
+            "refresh_until": self.refresh_until, "decay_mask": self.decay_mask,
         }
 
     # ------------------------------------------------------------ state ----
@@ -120,7 +131,8 @@ class LearnedPreconditioner:
         d = self.precondition(grads)
         if self.coupled_weight_decay:
             wd = self.coupled_weight_decay
-            d = [g + wd * ops.cast(v, g.dtype) for g, v in zip(d, values)]
+            decays = [self.decay_mask == "all" or len(shape) >= 2 for _, shape, _ in self.layout]
+            d = [g + wd * ops.cast(v, g.dtype) if decayed else g for g, v, decayed in zip(d, values, decays)]
         return d
 
     # ---------------------------------------------------------- refresh ----

@@ -15,6 +15,9 @@ import scipy.stats
 from keras import ops
 
 from keras_geosam.curvature import loss_and_gradient
+from keras_geosam.curvature.functional import check_data
+from keras_geosam.curvature.functional import check_labels
+from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.functional import num_examples
 from keras_geosam.curvature.functional import progbar
 from keras_geosam.sharpness import _common
@@ -69,6 +72,8 @@ def gradient_noise_alignment(
     of kind `fisher` on the same data. `learning_rate` defaults to the
     compiled optimizer's (if any) for the ``eta/B`` column.
     """
+    check_data(x, y)
+    check_labels(model_functions(model, loss), x, y)
     n = num_examples(x)
     batch_size = _common.check_positive_int("batch_size", batch_size)
     num_batches = _common.check_positive_int("num_batches", num_batches)
