@@ -87,9 +87,10 @@ class Recorder(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         model = self.model
+        opt = getattr(model.optimizer, "inner_optimizer", model.optimizer)  # under a LossScaleOptimizer
         self.weights.append([to_np(v.value) for v in model.trainable_variables])
-        self.u.append([to_np(v.value) for v in model.optimizer.preconditioner.variables])
-        self.refreshes.append(int(to_np(model.optimizer.refreshes)))
+        self.u.append([to_np(v.value) for v in opt.preconditioner.variables])
+        self.refreshes.append(int(to_np(opt.refreshes)))
 
 
 def build(optimizer, seed=3, cls=None):
@@ -667,3 +668,30 @@ def test_refresh_until_stops_refreshing():
     assert cfg["refresh_until"] == 2 and kg.optimizers.LLQRSAM.from_config(cfg).get_config() == cfg
     with pytest.raises(ValueError, match="refresh_until"):
         kg.optimizers.LLQR(sgd(), refresh_until=0)
+
+
+def test_a_loss_scale_overflow_on_a_due_step_leaves_u_alone():
+    """mixed_float16: an overflowing (here NaN) batch on a refresh-due step is
+    skipped by the loss-scale path too: the scale halves, U and `refreshes`
+    stay, and the refresh happens on the next finite step."""
+    x, y = ref.make_data(51, 8, D_IN, K)
+    bad = x[:4].copy()
+    bad[0, 1] = np.nan
+    policy = keras.config.dtype_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        opt = kg.optimizers.LLQRSAM(sgd(0.1), refresh_every=2, rho=0.2)
+        model, _ = build(opt)
+        lso = model.optimizer
+        assert isinstance(lso, keras.optimizers.LossScaleOptimizer)
+        scale0 = float(to_np(lso.dynamic_scale))
+        rec = Recorder()
+        hist = fit(model, np.concatenate([bad, x]), np.concatenate([y[:4], y]), 4, callbacks=[rec])
+    finally:
+        keras.config.set_dtype_policy(policy)
+    assert hist.history["skipped_steps"] == [1.0]
+    assert float(to_np(lso.dynamic_scale)) == scale0 / 2
+    assert rec.refreshes == [0, 1, 1]
+    identity = [np.ones(u.shape) for u in opt.preconditioner.variables]  # diagonal U starts at ones
+    assert_close(rec.u[0], identity, rtol=0, atol=0)
+    assert max_abs_diff(rec.u[1], identity) > 1e-6
