@@ -47,7 +47,7 @@ def _parse(argv):
     p.add_argument("--optimizers", default="sgd", help="comma-separated: " + ", ".join(sorted(OPTIMIZERS)))
     p.add_argument("--lr", type=_positive_float, default=0.05)
     p.add_argument("--probe-size", type=_positive_int, default=256, help="examples used for sharpness")
-    p.add_argument("--num-probes", type=_positive_int, default=10, help="Hutchinson probes per round (rtol 0.05)")
+    p.add_argument("--num-probes", type=_positive_int, default=20, help="Hutchinson probes per round (rtol 0.05)")
     p.add_argument("--log-every", type=_positive_int, default=1, help="epochs between sharpness logs")
     p.add_argument("--output", default="geosam_output")
     p.add_argument("--seed", type=int, default=0)

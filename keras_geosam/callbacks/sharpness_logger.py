@@ -60,7 +60,7 @@ class SharpnessLogger(keras.callbacks.Callback):
         y,
         metrics=("hessian_trace", "riemannian_sharpness"),
         every_n_epochs=1,
-        num_probes=10,
+        num_probes=20,
         rtol=0.05,
         max_probes=100,
         seed=0,

@@ -65,7 +65,7 @@ def _metric_info(M, Minv, metric):
 
 
 def riemannian_sharpness(
-    model, x, y, metric="diagonal", fisher="exact", damping=None, num_probes=10, rtol=0.05, max_probes=100,
+    model, x, y, metric="diagonal", fisher="exact", damping=None, num_probes=20, rtol=0.05, max_probes=100,
     num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, split=True, estimator="hutchinson",
     max_params=4000, rcond=None, loss=None, verbose=0,
 ):

@@ -41,7 +41,7 @@ def stochastic_trace(op, estimator, num_probes, rtol, max_probes, seed, shift, p
     return hutchinson(op, num_probes, rtol, max_probes, seed, shift=shift, paths=paths, bar=bar)
 
 
-def split_trace(model, x, y, inverse=None, inverse_sqrt=None, num_probes=10, rtol=0.05, max_probes=100,
+def split_trace(model, x, y, inverse=None, inverse_sqrt=None, num_probes=20, rtol=0.05, max_probes=100,
                 estimator="hutchinson", seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None, verbose=0):
     """``tr(M^-1 H) = tr(M^-1 GGN)`` (exact) ``+ tr(M^-1 (H - GGN))`` (probes).
 
@@ -78,7 +78,7 @@ def split_trace(model, x, y, inverse=None, inverse_sqrt=None, num_probes=10, rto
     return est
 
 
-def hessian_trace(model, x, y, num_probes=10, rtol=0.05, max_probes=100, split=None, estimator="hutchinson",
+def hessian_trace(model, x, y, num_probes=20, rtol=0.05, max_probes=100, split=None, estimator="hutchinson",
                   seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None, verbose=0):
     """Trace of the Hessian of the mean loss.
 
