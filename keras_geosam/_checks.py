@@ -16,7 +16,9 @@ def check_number(name, value, minimum=0.0, strict=False, below=None):
 
 
 def check_int(name, value, minimum=1):
-    """`value` as an int >= `minimum` (bools refused)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """`value` as an int >= `minimum` (bools refused; NumPy integers taken)."""
+    import numpy as np
+
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
-    return value
+    return int(value)

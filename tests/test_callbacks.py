@@ -66,7 +66,7 @@ KEYS = [
 
 def test_history_keys_and_values_match_direct_calls():
     x, y = _data()
-    model = _model()
+    model = _model(activation="tanh")  # smooth: probes are drawn, so num_probes and seed matter
     logger = SharpnessLogger(x, y, metrics=("hessian_trace", "riemannian_sharpness"), num_probes=4, seed=3)
     assert logger.keys() == KEYS
     hist = model.fit(x, y, epochs=2, batch_size=16, verbose=0, callbacks=[logger])
@@ -83,6 +83,7 @@ def test_history_keys_and_values_match_direct_calls():
     assert _rel(hist.history["riemannian_sharpness"][-1], sr.value) < TOL
     assert _rel(hist.history["riemannian_sharpness_stderr"][-1], sr.stderr) < TOL
     assert _rel(hist.history["riemannian_sharpness_normalized"][-1], sr.info["normalized"]) < TOL
+    assert hist.history["hessian_trace_stderr"][-1] > 0 and hist.history["riemannian_sharpness_stderr"][-1] > 0
     # the weights moved, and so did the logged trace
     assert hist.history["hessian_trace"][0] != hist.history["hessian_trace"][1]
     assert [e for e, _ in logger.history] == [0, 1]
@@ -91,9 +92,13 @@ def test_history_keys_and_values_match_direct_calls():
 def test_piecewise_linear_warning_not_raised_during_fit():
     x, y = _data()
     model = _model()
+    # damping 0 on a ReLU net: the call itself warns (checked), the logger not.
+    with pytest.warns(UserWarning, match="piecewise linear"):
+        ks.riemannian_sharpness(model, x, y, damping=0.0)
+    logger = SharpnessLogger(x, y, metrics="riemannian_sharpness", num_probes=2, options={"riemannian_sharpness": {"damping": 0.0}})
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
-        model.fit(x, y, epochs=1, verbose=0, callbacks=[SharpnessLogger(x, y, metrics="riemannian_sharpness", num_probes=2)])
+        model.fit(x, y, epochs=1, verbose=0, callbacks=[logger])
     assert not [w for w in rec if "piecewise linear" in str(w.message)]
 
 

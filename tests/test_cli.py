@@ -18,5 +18,5 @@ def test_invalid_values_are_argparse_errors(argv, capsys):
 
 def test_defaults_parse():
     args = cli._parse([])
-    assert args.batch_sizes == [16, 256] and args.epochs == 20 and args.num_probes == 10
+    assert args.batch_sizes == [16, 256] and args.epochs == 20 and args.num_probes == 20
     assert cli._parse(["--batch-sizes", "8, 32"]).batch_sizes == [8, 32]

@@ -695,3 +695,24 @@ def test_a_loss_scale_overflow_on_a_due_step_leaves_u_alone():
     identity = [np.ones(u.shape) for u in opt.preconditioner.variables]  # diagonal U starts at ones
     assert_close(rec.u[0], identity, rtol=0, atol=0)
     assert max_abs_diff(rec.u[1], identity) > 1e-6
+
+
+def test_a_step_whose_perturbed_pass_overflows_leaves_a_refreshed_u_alone():
+    """The centre pass is finite (so the due refresh does move U), the
+    perturbed one overflows (rho 1e38 pushes the weights to inf): the step is
+    skipped, and U, `refreshes` and the weights stay as they were."""
+    x, y = ref.make_data(52, 4, D_IN, K)
+    opt = kg.optimizers.LLQRSAM(sgd(0.1), refresh_every=1, rho=1e38)
+    model, init = build(opt)
+    rec = Recorder()
+    hist = fit(model, x, y, 4, callbacks=[rec])
+    assert hist.history["skipped_steps"] == [1.0]
+    assert rec.refreshes == [0] and int(to_np(opt.iterations)) == 0
+    assert_close(rec.u[0], [np.ones(u.shape) for u in opt.preconditioner.variables], rtol=0, atol=0)
+    assert_close(ref.weights_of(model), init, rtol=0, atol=0)
+    # Teeth: the same refresh with a finite step does change U.
+    ok = kg.optimizers.LLQRSAM(sgd(0.1), refresh_every=1, rho=0.1)
+    model2, _ = build(ok)
+    rec2 = Recorder()
+    fit(model2, x, y, 4, callbacks=[rec2])
+    assert rec2.refreshes == [1] and max_abs_diff(rec2.u[0], rec.u[0]) > 1e-6

@@ -1034,3 +1034,49 @@ def test_misuse_gets_clear_errors():
     dense = np.kron(A, B)
     got = (2.0 * cv.KFAC(A, B, (3, 4))).inverse_sqrt(0.1).to_dense()
     assert rel(got, _inv_sqrt(2.0 * dense, 0.1)) < EXACT  # (2 A kron B + 0.1 I)^-1/2
+
+
+def _diag_vs_dense(model, x, y, kind="exact"):
+    G = cv.GGN(model, x, y, kind=kind, num_samples=2, seed=3)
+    diag = np.concatenate([np.ravel(ops.convert_to_numpy(d)) for d in G.diagonal()])
+    # to_dense builds G from per-example gradients by the backend's vectorised
+    # map, independently of the layer rules behind diagonal().
+    return diag, np.diag(G.to_dense())
+
+
+@pytest.mark.parametrize("kind", ["exact", "empirical"])
+def test_a_layer_called_twice_gets_the_summed_per_example_gradient(kind):
+    rng = np.random.default_rng(30)
+    d = keras.layers.Dense(4, activation="tanh")
+    inp = keras.Input((4,))
+    model = keras.Model(inp, keras.layers.Dense(K)(d(d(inp))))
+    _compile(model)
+    _assign(model.trainable_variables, rng, 0.7)
+    x, y = _data(rng, (4,))
+    diag, dense = _diag_vs_dense(model, x, y, kind)
+    assert rel(diag, dense) < tol_for("matmul", "tanh")
+
+
+def test_einsum_bias_axes_in_any_order():
+    rng = np.random.default_rng(31)
+    layer = keras.layers.EinsumDense("abc,cde->abde", output_shape=(3, 2, 4), bias_axes="ed", activation="tanh")
+    model = keras.Sequential([keras.Input((3, 5)), layer, keras.layers.Flatten(), keras.layers.Dense(K)])
+    _compile(model)
+    _assign(model.trainable_variables, rng, 0.5)
+    x = rng.normal(size=(N, 3, 5))
+    y = rng.integers(0, K, size=N).astype("int32")
+    diag, dense = _diag_vs_dense(model, x, y)
+    assert rel(diag, dense) < tol_for("matmul", "tanh")
+
+
+def test_lora_dense_falls_back_to_the_vectorised_map():
+    # float32: Keras creates LoRA factors in float32 whatever the policy.
+    with keras_dtype("float32"):
+        rng = np.random.default_rng(32)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(K)])
+        model.layers[0].enable_lora(2)
+        _compile(model)
+        _assign(model.trainable_variables, rng, 0.5)
+        x, y = _data(rng, (4,))
+        diag, dense = _diag_vs_dense(model, x.astype("float32"), y)
+    assert rel(diag, dense) < 1e-5

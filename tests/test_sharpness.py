@@ -1069,3 +1069,56 @@ def test_curvature_functions_refuse_bad_data(name):
 
     with pytest.raises(ValueError, match="Datasets and generators"):
         _curvature_calls(case, tf.data.Dataset.from_tensor_slices(case.x).batch(4), case.y)[name]()
+
+
+def test_a_regularised_relu_net_is_not_taken_as_exact():
+    """A regulariser's Hessian belongs to H - GGN and does not vanish on the
+    layer blocks: the residual is estimated (not assumed zero) and tr H is
+    right within its standard error."""
+    rng = np.random.default_rng(33)
+    model = keras.Sequential([
+        keras.Input((D,)), keras.layers.Dense(5, activation="relu", kernel_regularizer=keras.regularizers.L2(0.1)),
+        keras.layers.Dense(K),
+    ])
+    model.compile(loss=_sparse_ce())
+    for v in model.trainable_variables:
+        v.assign(0.7 * rng.normal(size=v.shape))
+    x, y = _data(rng)
+    from keras_geosam import curvature as kc
+
+    H = kc.Hessian(model, x, y).to_dense()
+    est = ks.hessian_trace(model, x, y, num_probes=40, rtol=None, seed=1)
+    assert est.info["residual_exact"] is False
+    assert abs(est.value - np.trace(H)) <= 3 * est.stderr + 1e-9
+    # the regulariser's share: 2 * 0.1 per kernel entry (here 20 of them)
+    assert est.info["residual"] == pytest.approx(0.2 * D * 5, abs=3 * est.stderr + 1e-9)
+
+
+def test_a_softmax_inside_a_nested_model_is_not_the_loss():
+    L = keras.layers
+    inner = keras.Sequential([keras.Input((4,)), L.Dense(6, activation="softmax")])
+    nested = keras.Sequential([keras.Input((4,)), inner, L.Dense(3)])
+    assert not ks.is_layerwise_linear(nested) and not ks.is_piecewise_linear(nested)
+    last = keras.Sequential([keras.Input((4,)), L.Dense(5, activation="relu"), keras.Sequential([keras.Input((5,)), L.Dense(3, activation="softmax")])])
+    assert ks.is_layerwise_linear(last)
+
+
+def test_monte_carlo_labels_are_drawn_in_float32_for_float16_logits():
+    """24-bit uniforms overflow float16: labels are drawn in float32 at least,
+    so float16 logits get the same labels as their float32 values."""
+    from keras import ops
+
+    from keras_geosam.curvature import probes
+    from keras_geosam.curvature.functional import model_functions
+
+    case = get_case("sigmoid_mlp")
+    fns = model_functions(case.model)
+    z = np.random.default_rng(0).normal(size=(64, K))
+    key, offset = probes.key(5, "labels"), ops.convert_to_tensor(0, "int32")
+    labels = {}
+    for dtype in ("float16", "float32"):
+        c = fns.output_factors("mc", ops.convert_to_tensor(z, dtype), None, key, offset, 4)
+        p = np.exp(z) / np.exp(z).sum(-1, keepdims=True)
+        labels[dtype] = np.argmax(np.asarray(ops.convert_to_numpy(c), "float64") + p[None], axis=-1)
+    assert np.bincount(labels["float16"].ravel(), minlength=K).min() > 0  # not all the last class
+    assert np.mean(labels["float16"] == labels["float32"]) > 0.97  # float16 rounding of p may flip a few

@@ -60,7 +60,12 @@ def _batched_grad(outputs, leaves, cotangents):
             outputs, leaves, grad_outputs=cotangents, is_grads_batched=True,
             retain_graph=True, allow_unused=True,
         )
-    except RuntimeError:  # an op without a batching rule
+    except RuntimeError as e:
+        # An op without a batching rule ("vmap" / "batching rule" / "not
+        # implemented"); anything else (out of memory, ...) is raised.
+        text = str(e).lower()
+        if not any(s in text for s in ("vmap", "batch", "not implemented", "nyi")):
+            raise
         k = int(cotangents[0].shape[0])
         rows = [
             torch.autograd.grad(outputs, leaves, grad_outputs=[c[i] for c in cotangents], retain_graph=True, allow_unused=True)

@@ -8,6 +8,7 @@ import warnings
 import keras
 
 from keras_geosam import sharpness
+from keras_geosam._checks import check_int
 from keras_geosam.curvature.functional import check_data
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.losses import require_classifier
@@ -78,8 +79,7 @@ class SharpnessLogger(keras.callbacks.Callback):
         if not metrics:
             raise ValueError("metrics must name at least one metric.")
         for name, value in (("every_n_epochs", every_n_epochs), ("num_probes", num_probes), ("max_probes", max_probes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+            check_int(name, value)
         if rtol is not None and not rtol > 0:
             raise ValueError(f"rtol must be > 0 or None, got {rtol!r}.")
         options = dict(options or {})

@@ -63,6 +63,15 @@ class Capture:
     # -------------------------------------------------- instrumentation ----
     @contextlib.contextmanager
     def _instrumented(self, state):
+        patched = []
+        try:
+            self._patch(state, patched)
+            yield
+        finally:
+            for layer in patched:
+                object.__delattr__(layer, "call")
+
+    def _patch(self, state, patched):
         for i, rule in enumerate(self.rules):
             layer, original = rule.layer, rule.layer.call
 
@@ -84,11 +93,7 @@ class Capture:
                 return activation(z) if activation is not None else z
 
             object.__setattr__(layer, "call", call)
-        try:
-            yield
-        finally:
-            for rule in self.rules:
-                object.__delattr__(rule.layer, "call")
+            patched.append(layer)
 
     def _forward(self, probes, params, nt, x, slot, output):
         state = {"records": [[] for _ in self.rules], "shapes": [[] for _ in self.rules], "probes": probes, "slot": slot}
@@ -206,9 +211,14 @@ class Capture:
             deltas = pull(cot[start : start + chunk])
             for i, rule in enumerate(self.rules):
                 if other_diag:
+                    # A layer called several times: its per-example gradient
+                    # is the sum over the calls, squared after summing.
+                    per_example = {}
                     for c, rec in enumerate(records[i]):
                         for vid, g in rule.small_grads(rec, deltas[slot[(i, c)]]).items():
-                            _add(out["diag"], self.position[vid], ops.sum(ops.square(g), axis=(0, 1)))
+                            _add(per_example, vid, g)
+                    for vid, g in per_example.items():
+                        _add(out["diag"], self.position[vid], ops.sum(ops.square(g), axis=(0, 1)))
                 if rows[i] is None:
                     continue
                 d = self._deltas(rule, i, records, deltas, slot)
@@ -241,10 +251,11 @@ class Capture:
             out["B"] = [b for b, a in zip(B, rows) if a is not None]
         return out
 
-    def body_uncovered(self, params, nt, x, y, key, offset, *, kind, num_samples):
-        # Variables of layers without a rule: per-example gradients of each
-        # output direction by the backend's vectorised map.
-        fns, idx = self.fns, self.uncovered
+    def _factor_grads(self, params, nt, x, y, key, offset, kind, num_samples, idx):
+        """Per-example gradients ``J_n^T c_jn`` of the variables `idx`, by the
+        backend's vectorised map: a list over j of lists like `idx` of
+        ``(N,) + shape`` tensors."""
+        fns = self.fns
         cot = fns.output_factors(kind, fns.logits(params, nt, x), y, key, offset, num_samples)
 
         def f(sub, xi, ci):
@@ -253,10 +264,13 @@ class Capture:
                 full[i] = p
             return ops.sum(ops.cast(ci, params[0].dtype) * fns.logits(full, nt, xi))
 
+        return [backend.per_example_grads(f, [params[i] for i in idx], x, cot[j]) for j in range(int(cot.shape[0]))]
+
+    def body_uncovered(self, params, nt, x, y, key, offset, *, kind, num_samples):
+        # Variables of layers without a rule.
         out = {}
-        for j in range(int(cot.shape[0])):
-            grads = backend.per_example_grads(f, [params[i] for i in idx], x, cot[j])
-            for i, g in zip(idx, grads):
+        for grads in self._factor_grads(params, nt, x, y, key, offset, kind, num_samples, self.uncovered):
+            for i, g in zip(self.uncovered, grads):
                 _add(out, i, ops.sum(ops.square(g), axis=0))
         return out
 
@@ -267,13 +281,8 @@ class Capture:
         return self._kernel("body_factor_gradients", kind=kind, num_samples=int(num_samples))(params, nt, x, y, key, offset)
 
     def body_factor_gradients(self, params, nt, x, y, key, offset, *, kind, num_samples):
-        fns = self.fns
-        cot = fns.output_factors(kind, fns.logits(params, nt, x), y, key, offset, num_samples)
-
-        def f(p, xi, ci):
-            return ops.sum(ops.cast(ci, params[0].dtype) * fns.logits(p, nt, xi))
-
-        rows = [backend.per_example_grads(f, params, x, cot[j]) for j in range(int(cot.shape[0]))]
+        everything = list(range(len(params)))
+        rows = self._factor_grads(params, nt, x, y, key, offset, kind, num_samples, everything)
         return [ops.stack(parts) for parts in zip(*rows)]
 
     def body_per_example(self, params, nt, x, y, *, shapes):

@@ -22,9 +22,10 @@ from keras_geosam.curvature.losses import resolve_loss
 _CACHE = weakref.WeakKeyDictionary()
 
 
-def _mean(values):
-    # keras.ops.mean computes float64 in float32 on JAX and torch (Keras 3.15
-    # result_type); a sum divided by the count keeps the input's precision.
+def mean(values):
+    """Mean of all entries. keras.ops.mean computes float64 in float32 on JAX
+    and torch (Keras 3.15 result_type); a sum over the count keeps the
+    input's precision."""
     return ops.sum(values) / ops.cast(ops.size(values), values.dtype)
 
 
@@ -95,7 +96,7 @@ class ModelFunctions:
     def loss(self, params, nt, x, y):
         """Mean loss over the batch, plus regularisation losses."""
         y_pred, losses = self.outputs(params, nt, x)
-        value = _mean(self.spec.per_example(y, y_pred))
+        value = mean(self.spec.per_example(y, y_pred))
         if self.include_regularization and losses:
             value = value + ops.sum(ops.stack([ops.cast(l, value.dtype) for l in losses]))
         return value
@@ -108,19 +109,7 @@ class ModelFunctions:
         """Mean negative log-likelihood of integer `labels` (no regularisers)."""
         logp = self.log_probs(params, nt, x)
         picked = ops.take_along_axis(logp, ops.expand_dims(ops.cast(labels, "int32"), -1), axis=-1)
-        return -_mean(picked)
-
-    def ggn_surrogate(self, params, nt, x, scale):
-        """-scale * sum_n sum_k sg(p_nk) log p_nk; its Hessian is the GGN.
-
-        Its gradient is J^T (p - sg(p)) = 0 at the point and its Hessian
-        J^T (diag p - p p^T) J, the Fisher = Gauss-Newton matrix of softmax
-        cross-entropy, because the second-order term is multiplied by
-        p - sg(p) = 0.
-        """
-        logp = self.log_probs(params, nt, x)
-        p = ops.stop_gradient(ops.exp(logp))
-        return -scale * ops.sum(p * logp)
+        return -mean(picked)
 
     def logits(self, params, nt, x):
         """Logits of the predictive distribution (see ``LossSpec.logits``)."""
@@ -163,8 +152,11 @@ class ModelFunctions:
             return ops.sqrt(ops.transpose(p))[:, :, None] * (eye[:, None, :] - p[None])
         n = int(z.shape[0])
         rows = ops.add(ops.arange(0, n, dtype="int32"), ops.cast(offset, "int32"))
-        u = _probes.uniform_from_key(key, rows, ops.arange(0, int(num_samples), dtype="int32"), z.dtype)
-        cdf = ops.cumsum(p, axis=-1)
+        # The draw and the comparison in float32 at least: 24-bit uniforms
+        # overflow float16, and every backend must see the same numbers.
+        udtype = "float64" if keras.backend.standardize_dtype(z.dtype) == "float64" else "float32"
+        u = _probes.uniform_from_key(key, rows, ops.arange(0, int(num_samples), dtype="int32"), udtype)
+        cdf = ops.cumsum(ops.cast(p, udtype), axis=-1)
         labels = ops.sum(ops.cast(ops.greater(u[:, :, None], cdf[:, None, :]), "int32"), axis=-1)
         labels = ops.minimum(labels, num_classes - 1)
         onehot = ops.one_hot(ops.transpose(labels), num_classes, dtype=z.dtype)
@@ -215,16 +207,10 @@ class ModelFunctions:
     def _k_loss_and_grad(self, params, nt, x, y):
         return backend.value_and_grad(self.loss, params, nt, x, y)
 
-    def _k_hvp(self, params, nt, vectors, x, y):
-        return backend.hvp(self.loss, params, vectors, nt, x, y)
-
-    def _k_ggnvp(self, params, nt, vectors, x, scale):
-        return backend.hvp(self.ggn_surrogate, params, vectors, nt, x, scale)
-
     def _k_per_example_grads(self, params, nt, x, y):
         def f(p, xi, yi):
             y_pred, _ = self.outputs(p, nt, xi)
-            return _mean(self.spec.per_example(yi, y_pred))
+            return mean(self.spec.per_example(yi, y_pred))
 
         return backend.per_example_grads(f, params, x, y)
 

@@ -200,7 +200,8 @@ class EinsumDenseRule(Rule):
             return {}
         _, out, _, _, _ = self._roles(len(rec.shape))
         k = [c for c in string.ascii_letters if c not in out][0]
-        axes = self.layer.bias_axes or ""
+        # Keras orders the bias's axes as they appear in the output.
+        axes = "".join(c for c in out if c in (self.layer.bias_axes or ""))
         g = ops.einsum(f"{k}{out}->{k}{out[0]}{axes}", delta)
         return {id(bias): ops.reshape(g, tuple(ops.shape(g)[:2]) + tuple(bias.shape))}
 
@@ -245,8 +246,8 @@ def rule_for(layer, training=False):
     """The rule covering `layer`, or None."""
     if not layer.trainable or not layer.trainable_variables:
         return None
-    if getattr(layer, "quantization_mode", None) is not None:
-        return None
+    if getattr(layer, "quantization_mode", None) is not None or getattr(layer, "lora_enabled", False):
+        return None  # the kernel is computed (quantised, or kernel + lora_a lora_b)
     # Subclasses that override call() may compute something else: uncovered.
     if isinstance(layer, keras.layers.Dense) and type(layer).call is keras.layers.Dense.call:
         return DenseRule(layer)

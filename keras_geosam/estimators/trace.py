@@ -20,6 +20,7 @@ import numpy as np
 from keras import ops
 
 from keras_geosam import backend
+from keras_geosam._checks import check_int
 from keras_geosam.curvature import probes
 from keras_geosam.curvature.operators.base import flatten
 from keras_geosam.curvature.operators.base import per_tensor_inner
@@ -32,9 +33,7 @@ MAX_BLOCK_ELEMENTS = 1 << 25
 
 
 def check_positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-    return int(value)
+    return check_int(name, value, 1)
 
 
 _INNER = {}

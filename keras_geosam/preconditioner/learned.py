@@ -149,7 +149,12 @@ class LearnedPreconditioner:
         fns = model_functions(model, None, training=False, include_regularization=False)
         if self.divergence == "ngd":
             require_classifier(fns.spec, 'LLQR with divergence="ngd"')
-            gprod = lambda u: backend.hvp(fns.ggn_surrogate, list(values), u, non_trainable, x, 1.0)
+            # The GGN summed over the batch: N times the batch-mean surrogate's.
+            def summed(p, nt, xb):
+                mean = fns.ggn_surrogate_of(p, nt, xb, None, None, None, kind="exact")
+                return ops.cast(ops.shape(xb)[0], mean.dtype) * mean
+
+            gprod = lambda u: backend.hvp(summed, list(values), u, non_trainable, x)
         else:
             gprod = lambda u: backend.hvp(fns.loss, list(values), u, non_trainable, x, y)
         _, gbar = backend.value_and_grad(fns.loss, list(values), non_trainable, x, y)
@@ -174,9 +179,11 @@ class LearnedPreconditioner:
         if self.refresh_source != "step":
             return []
         state = self.variables + [self.refreshes]
-        # Copies: torch assigns in place, which would change a plain read.
-        before = [ops.copy(v.value) for v in state]
-        current = [p.value for p in self.variables]
+        held = [v.value for v in state]
+        # Copies, when a refresh will overwrite them (torch assigns in place,
+        # which would change a plain read); otherwise nothing changes.
+        before = ops.cond(due, lambda: [ops.copy(v) for v in held], lambda: held)
+        current = held[:-1]
         new = ops.cond(due, lambda: self.refreshed(model, values, non_trainable, x, y), lambda: current)
         for p, value in zip(self.variables, new):
             p.assign(value)

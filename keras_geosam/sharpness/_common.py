@@ -6,7 +6,7 @@ from keras_geosam.curvature.functional import num_examples
 from keras_geosam.curvature.functional import progbar  # noqa: F401  (re-exported for the measures)
 from keras_geosam.estimators.trace import check_positive_int  # noqa: F401
 
-DEFAULT_BATCH_SIZE = 256
+from keras_geosam.curvature.operators.model import DEFAULT_BATCH_SIZE  # noqa: F401,E402
 
 
 def check_rtol(rtol, max_probes):

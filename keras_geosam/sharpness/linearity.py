@@ -47,7 +47,7 @@ def _activation_ok(act, last):
     return name in _PL_ACTIVATIONS or (name == "softmax" and last)
 
 
-def _check(model, allow_batchnorm):
+def _check(model, allow_batchnorm, is_last=True):
     # A Sequential or functional graph: every operation is a known layer,
     # and no layer is applied twice (weight sharing is not linear in W).
     from keras.src.models.functional import Functional
@@ -57,13 +57,15 @@ def _check(model, allow_batchnorm):
     linear = _linear_types()
     operations = list(getattr(model, "operations", None) or model.layers)
     for i, op in enumerate(operations):
-        last = i == len(operations) - 1
+        # Only the model's final layer may be a softmax (it belongs to the
+        # loss); a nested model's last layer is last only if the model is.
+        last = is_last and i == len(operations) - 1
         if not isinstance(op, keras.layers.Layer):
             return False  # a raw keras.ops node of a functional graph
         if len(getattr(op, "_inbound_nodes", [])) > 1 and not isinstance(op, keras.layers.InputLayer):
             return False
         if isinstance(op, (keras.Sequential, Functional)):
-            if not _check(op, allow_batchnorm):
+            if not _check(op, allow_batchnorm, last):
                 return False
             continue
         if isinstance(op, keras.layers.Softmax) and last:

@@ -129,8 +129,9 @@ def riemannian_sharpness(
         est.info.update(_common.data_info(x, batch_size), split=False)
     est.info.update(info)
     est.info["inverse"] = "pseudo-inverse (zero-Fisher directions excluded)" if damping == 0 else "damped inverse"
-    counted = info["num_params"] - info["num_excluded"]
-    est.info["normalized"] = est.value / max(counted, 1)
+    # Per parameter with nonzero Fisher: 1 for the undamped diagonal S_R of
+    # a piecewise-linear net (the degeneracy), whatever the damping asked.
+    est.info["normalized"] = est.value / max(info["num_nonzero_fisher"], 1)
     pl = is_piecewise_linear(model)
     est.info["piecewise_linear"] = pl
     if pl and metric == "diagonal" and damping == 0 and fisher == "exact":

@@ -27,6 +27,15 @@ from keras_geosam.sharpness.linearity import is_layerwise_linear
 ESTIMATORS = ("hutchinson", "hutch++")
 
 
+def _has_regularization(fns, x):
+    """Whether the loss carries regularisation terms (their Hessian belongs
+    to H - GGN and is not zero on layer blocks): one forward on one example."""
+    if not fns.include_regularization:
+        return False
+    first = x[:1] if not isinstance(x, (list, tuple)) else type(x)(e[:1] for e in x)
+    return bool(fns.outputs(fns.params(), fns.non_trainable(), first)[1])
+
+
 def check_estimator(estimator):
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}.")
@@ -56,7 +65,7 @@ def split_trace(model, x, y, inverse=None, inverse_sqrt=None, num_probes=20, rto
     per_layer = dict(zip(fns.paths, parts))
     info = _common.data_info(x, batch_size)
     info.update(split=True, exact_part=exact)
-    if is_layerwise_linear(model):
+    if is_layerwise_linear(model) and not _has_regularization(fns, x):
         info.update(
             residual=0.0, residual_stderr=0.0, residual_exact=True,
             parts="tr(M^-1 GGN) exact; residual tr(M^-1 (H - GGN)) = 0 exactly (layerwise-linear network)",

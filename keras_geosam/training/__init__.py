@@ -34,7 +34,8 @@ def _prepare(model):
     opt.check_model(model)
     owner = getattr(opt, "_geosam_owner", None)
     owner = owner() if owner is not None else None
-    if owner is not None and owner is not model:
+    # The earlier model still compiled with this very optimizer: a conflict.
+    if owner is not None and owner is not model and _step.unwrap(getattr(owner, "optimizer", None))[0] is opt:
         # On JAX the two models would silently share slots and U; TF and
         # torch fail later, less clearly.
         raise ValueError(

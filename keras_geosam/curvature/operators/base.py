@@ -80,10 +80,10 @@ class LinearOperator:
         """The exact trace, where the structure gives it."""
         return sum(ops.sum(d) for d in self.diagonal())
 
-    def inverse(self, damping=0.0, relative=False):
+    def inverse(self, damping=0.0, relative=False, rcond=None):
         raise NotImplementedError(f"{type(self).__name__} has no structured inverse.")
 
-    def inverse_sqrt(self, damping=0.0, relative=False):
+    def inverse_sqrt(self, damping=0.0, relative=False, rcond=None):
         raise NotImplementedError(f"{type(self).__name__} has no structured inverse square root.")
 
     def to_dense(self, max_dim=20000, chunk=64):
@@ -165,16 +165,17 @@ class Scaled(LinearOperator):
     def diagonal(self):
         return [self.scale * d for d in self.op.diagonal()]
 
-    def inverse(self, damping=0.0, relative=False):
+    def inverse(self, damping=0.0, relative=False, rcond=None):
         # (c A + d I)^-1 = (1/c) (A + (d/c) I)^-1; relative damping scales with A.
         if self.scale <= 0:
             raise ValueError("Only a positive multiple of an operator has a structured inverse.")
-        return Scaled(self.op.inverse(damping / self.scale if not relative else damping, relative), 1.0 / self.scale)
+        inner = self.op.inverse(damping / self.scale if not relative else damping, relative, rcond)
+        return Scaled(inner, 1.0 / self.scale)
 
-    def inverse_sqrt(self, damping=0.0, relative=False):
+    def inverse_sqrt(self, damping=0.0, relative=False, rcond=None):
         if self.scale <= 0:
             raise ValueError("Only a positive multiple of an operator has a structured inverse square root.")
-        inner = self.op.inverse_sqrt(damping / self.scale if not relative else damping, relative)
+        inner = self.op.inverse_sqrt(damping / self.scale if not relative else damping, relative, rcond)
         return Scaled(inner, self.scale**-0.5)
 
 

@@ -25,6 +25,7 @@ import numpy as np
 from keras import ops
 
 from keras_geosam import backend
+from keras_geosam.curvature.functional import mean
 from keras_geosam.curvature.operators.base import LinearOperator
 from keras_geosam.curvature.operators.base import flatten
 from keras_geosam.curvature.operators.base import scalar
@@ -45,12 +46,6 @@ def spectral(values, damping, power, rcond):
     return ops.where(keep, scaled, ops.zeros_like(shifted))
 
 
-def mean(t):
-    # keras.ops.mean computes float64 in float32 on JAX and torch (Keras
-    # 3.15); a sum over the count keeps the precision.
-    return ops.sum(t) / ops.cast(ops.size(t), t.dtype)
-
-
 def _absolute(damping, relative, mean_eigenvalue):
     if not relative:
         return damping
@@ -64,7 +59,18 @@ def _matrix_view(shape, split):
     return split, (int(np.prod(shape[:split])), int(np.prod(shape[split:])))
 
 
-class Diagonal(LinearOperator):
+class _Spectral:
+    """``inverse`` and ``inverse_sqrt`` of an operator that knows its
+    eigendecomposition (``_spectral(damping, relative, power, rcond)``)."""
+
+    def inverse(self, damping=0.0, relative=False, rcond=None):
+        return self._spectral(damping, relative, 1, rcond)
+
+    def inverse_sqrt(self, damping=0.0, relative=False, rcond=None):
+        return self._spectral(damping, relative, 0.5, rcond)
+
+
+class Diagonal(_Spectral, LinearOperator):
     """``diag(values)``: element-wise products with a list of tensors."""
 
     def __init__(self, values):
@@ -101,14 +107,9 @@ class Diagonal(LinearOperator):
             out.append(spectral(v, lam, power, 0.0 if rcond is None else rcond))
         return Diagonal(out)
 
-    def inverse(self, damping=0.0, relative=False, rcond=None):
-        return self._spectral(damping, relative, 1, rcond)
-
-    def inverse_sqrt(self, damping=0.0, relative=False, rcond=None):
-        return self._spectral(damping, relative, 0.5, rcond)
 
 
-class KFAC(LinearOperator):
+class KFAC(_Spectral, LinearOperator):
     """``A kron B`` on one tensor: ``X -> A X B^T`` (see module doc).
 
     As a Fisher block, ``A`` is the second moment of the layer's inputs and
@@ -170,14 +171,9 @@ class KFAC(LinearOperator):
         rcond = max(self.view) * _eps(s.dtype) if rcond is None else rcond
         return EKFAC(qa, qb, spectral(s, lam, power, rcond), self.shapes[0], self.split, orthogonal=True)
 
-    def inverse(self, damping=0.0, relative=False, rcond=None):
-        return self._spectral(damping, relative, 1, rcond)
-
-    def inverse_sqrt(self, damping=0.0, relative=False, rcond=None):
-        return self._spectral(damping, relative, 0.5, rcond)
 
 
-class EKFAC(LinearOperator):
+class EKFAC(_Spectral, LinearOperator):
     """``X -> Q_A (s * (Q_A^T X Q_G)) Q_G^T`` on one tensor (see module doc):
     eigenvalue-corrected K-FAC. With orthogonal ``Q_A``, ``Q_G`` (as from
     ``KFAC.inverse``) ``s`` holds the eigenvalues and the inverse is exact;
@@ -228,11 +224,6 @@ class EKFAC(LinearOperator):
         rcond = max(self.view) * _eps(self.s.dtype) if rcond is None else rcond
         return EKFAC(self.QA, self.QG, spectral(self.s, lam, power, rcond), self.shapes[0], self.split, orthogonal=True)
 
-    def inverse(self, damping=0.0, relative=False, rcond=None):
-        return self._spectral(damping, relative, 1, rcond)
-
-    def inverse_sqrt(self, damping=0.0, relative=False, rcond=None):
-        return self._spectral(damping, relative, 0.5, rcond)
 
 
 class BlockDiagonal(LinearOperator):
@@ -301,7 +292,7 @@ class BlockDiagonal(LinearOperator):
         return BlockDiagonal([b.inverse_sqrt(d, relative, rcond) for b, d in zip(self.blocks, self._per_block(damping))])
 
 
-class Dense(LinearOperator):
+class Dense(_Spectral, LinearOperator):
     """An explicit symmetric ``dim x dim`` matrix (small problems, references)."""
 
     def __init__(self, matrix, shapes):
@@ -316,7 +307,7 @@ class Dense(LinearOperator):
         return unflatten(ops.einsum("kj,ij->ki", V, ops.cast(self.matrix, V.dtype)), self.shapes)
 
     def diagonal(self):
-        return unflatten(ops.diagonal(self.matrix)[None], self.shapes)
+        return [d[0] for d in unflatten(ops.diagonal(self.matrix)[None], self.shapes)]
 
     def trace(self):
         return ops.trace(self.matrix)
@@ -328,8 +319,3 @@ class Dense(LinearOperator):
         f = spectral(w, lam, power, rcond)
         return Dense(ops.einsum("ij,kj->ik", q * f[None, :], q), self.shapes)
 
-    def inverse(self, damping=0.0, relative=False, rcond=None):
-        return self._spectral(damping, relative, 1, rcond)
-
-    def inverse_sqrt(self, damping=0.0, relative=False, rcond=None):
-        return self._spectral(damping, relative, 0.5, rcond)
