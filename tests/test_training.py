@@ -160,15 +160,27 @@ def test_save_load_mid_training_equals_uninterrupted(kind, style, tmp_path):
         model.compile(optimizer=opt, loss=sce())
         return model
 
+    def check(loaded):
+        assert isinstance(loaded, kg.Sequential if style == "sequential" else kg.Model)
+        if kind == "fsam":
+            avg = [to_np(v.value) for v in loaded.optimizer._average]
+            assert max(np.abs(a).max() for a in avg) > 1e-3  # the EMA was restored, not zeros
+
+    loaded = resume_equals_uninterrupted(make, x, y, tmp_path, check, atol=1e-7)
+    assert int(to_np(loaded.optimizer.iterations)) == 8
+
+
+def resume_equals_uninterrupted(make, x, y, tmp_path, check=None, atol=1e-7):
+    """Trains make() 4 epochs; a second make() 2 epochs, saved to .keras and
+    reloaded with keras.saving.load_model, every optimizer variable restored
+    (`check(loaded)` for more), then 2 more epochs: the same weights."""
     full = make()
     fit(full, x, y, 8, epochs=4)
-
     first = make()
     fit(first, x, y, 8, epochs=2)
     path = str(tmp_path / "model.keras")
     first.save(path)
     loaded = keras.saving.load_model(path)
-    assert isinstance(loaded, kg.Sequential if style == "sequential" else kg.Model)
     assert loaded.compiled and getattr(loaded, "optimizer", None) is not None, (
         "load_model returned an uncompiled model: the two-pass optimizer and its "
         "state were not restored"
@@ -178,12 +190,11 @@ def test_save_load_mid_training_equals_uninterrupted(kind, style, tmp_path):
     assert len(loaded.optimizer.variables) == len(first.optimizer.variables)
     for a, b in zip(loaded.optimizer.variables, first.optimizer.variables):
         np.testing.assert_array_equal(to_np(a.value), to_np(b.value), err_msg=a.path)
-    if kind == "fsam":
-        avg = [to_np(v.value) for v in loaded.optimizer._average]
-        assert max(np.abs(a).max() for a in avg) > 1e-3  # the EMA was restored, not zeros
+    if check is not None:
+        check(loaded)
     fit(loaded, x, y, 8, epochs=2)
-    assert_weights_close(ref.weights_of(loaded), ref.weights_of(full), rtol=1e-6, atol=1e-7)
-    assert int(to_np(loaded.optimizer.iterations)) == 8
+    assert_weights_close(ref.weights_of(loaded), ref.weights_of(full), rtol=1e-6, atol=atol)
+    return loaded
 
 
 # ------------------------------------------------------------ attachment ----
@@ -613,19 +624,10 @@ def test_attached_models_reload_with_all_optimizer_state(kind, style, tmp_path):
         model.compile(optimizer=opt, loss=sce())
         return model
 
-    full = make()
-    fit(full, x, y, 8, epochs=4)
-    first = make()
-    fit(first, x, y, 8, epochs=2)
-    path = str(tmp_path / "attached.keras")
-    first.save(path)
-    loaded = keras.models.load_model(path)
-    assert getattr(loaded, "_geosam_attached", False) and type(loaded.optimizer) is type(first.optimizer)
-    assert len(loaded.optimizer.variables) == len(first.optimizer.variables)
-    for a, b in zip(loaded.optimizer.variables, first.optimizer.variables):
-        np.testing.assert_array_equal(to_np(a.value), to_np(b.value), err_msg=a.path)
-    fit(loaded, x, y, 8, epochs=2)
-    assert_weights_close(ref.weights_of(loaded), ref.weights_of(full), rtol=1e-6, atol=1e-6)
+    def check(loaded):
+        assert getattr(loaded, "_geosam_attached", False)
+
+    resume_equals_uninterrupted(make, x, y, tmp_path, check, atol=1e-6)
 
 
 def test_loading_without_keras_geosam_names_it(tmp_path):
