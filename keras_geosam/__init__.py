@@ -5,6 +5,7 @@ from keras_geosam import backend
 from keras_geosam import callbacks
 from keras_geosam import curvature
 from keras_geosam import datasets
+from keras_geosam import estimators
 from keras_geosam import optimizers
 from keras_geosam import reparam
 from keras_geosam import sharpness
