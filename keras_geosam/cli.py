@@ -38,22 +38,69 @@ def _positive_float(text):
     return value
 
 
+def backend_that_will_run():
+    """``(backend, where it comes from)`` as Keras will choose it, found
+    without importing Keras: ``KERAS_BACKEND``, else ``keras.json`` in
+    ``KERAS_HOME`` (default ``~/.keras``), else Keras' default."""
+    if os.environ.get("KERAS_BACKEND"):
+        return os.environ["KERAS_BACKEND"], "KERAS_BACKEND"
+    home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    path = os.path.join(home, "keras.json")
+    try:
+        import json
+
+        with open(path) as f:
+            return json.load(f)["backend"], "keras.json"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "tensorflow", "Keras' default"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each default once, and none for flags and unset options."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default:" in text or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+            return text
+        return super()._get_help_string(action)
+
+
 def _parse(argv):
-    p = argparse.ArgumentParser(prog="keras-geosam", description=__doc__.splitlines()[0])
+    backend, source = backend_that_will_run()
+    p = argparse.ArgumentParser(
+        prog="keras-geosam",
+        description=(
+            f"{__doc__.splitlines()[0]} Runs on the {backend} backend ({source}; "
+            f"--backend or KERAS_BACKEND picks another)."
+        ),
+        epilog=(
+            "Other commands: 'keras-geosam study --help' runs the study 'Does "
+            "sharpness predict generalisation?' (a grid of batch sizes, learning rates, "
+            "optimizers and seeds, with rank correlations and confidence intervals). "
+            "Runs already in OUTPUT/results.csv are skipped (resumable); --fresh starts over."
+        ),
+        formatter_class=_HelpFormatter,
+    )
     p.add_argument("--dataset", default="digits", help="comma-separated: digits, mnist1d (offline), mnist, cifar10 (cached keras.datasets)")
-    p.add_argument("--compare", action="store_true", help=f"optimizer comparison: --optimizers {COMPARISON} at one batch size (32) on digits and mnist1d unless given")
-    p.add_argument("--epochs", type=_positive_int, default=20)
+    p.add_argument("--data", metavar="PATH.npz", help="your own data instead of --dataset: an .npz with x_train, y_train, x_test, y_test (optional num_classes)")
+    p.add_argument("--compare", action="store_true", help=f"optimizer comparison: --optimizers {COMPARISON} at batch size 32 on digits and mnist1d, unless given")
+    p.add_argument("--epochs", type=_positive_int, default=20, help="training epochs per run")
     p.add_argument("--batch-sizes", type=_positive_ints, default="16,256", help="comma-separated batch sizes, one run each per optimizer")
     p.add_argument("--optimizers", default="sgd", help="comma-separated: " + ", ".join(sorted(OPTIMIZERS)))
-    p.add_argument("--lr", type=_positive_float, default=0.05)
-    p.add_argument("--probe-size", type=_positive_int, default=256, help="examples used for sharpness")
-    p.add_argument("--num-probes", type=_positive_int, default=20, help="Hutchinson probes per round (rtol 0.05)")
-    p.add_argument("--log-every", type=_positive_int, default=1, help="epochs between sharpness logs")
-    p.add_argument("--output", default="geosam_output")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", choices=["jax", "tensorflow", "torch"], help="re-runs under this KERAS_BACKEND")
-    p.add_argument("--no-plot", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--lr", type=_positive_float, default=0.05, help="learning rate of the SGD (momentum 0.9) every optimizer wraps")
+    p.add_argument("--probe-size", type=_positive_int, default=256, help="test examples used for sharpness")
+    p.add_argument("--num-probes", type=_positive_int, default=20, help="Hutchinson probes per round (more rounds until stderr <= 5%% of the value, at most 100 probes)")
+    p.add_argument("--log-every", type=_positive_int, default=None, help=f"epochs between sharpness logs during training (default: epochs / {LOGS_PER_RUN}, rounded up, which keeps logging under a quarter of the job's time)")
+    p.add_argument("--output", default="geosam_output", help="folder for results.csv, sharpness.png and per-run histories")
+    p.add_argument("--fresh", action="store_true", help="recompute runs already in OUTPUT/results.csv (without it they are skipped)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order, the probes and the sampled labels")
+    p.add_argument("--backend", choices=["jax", "tensorflow", "torch"], help=f"re-runs under this KERAS_BACKEND (default: {backend})")
+    p.add_argument("--verbose", type=int, choices=[0, 1, 2], default=1, help="0: the table only; 1: a line per run and per sharpness phase; 2: also a line per epoch")
+    p.add_argument("--no-plot", action="store_true", help="skip sharpness.png")
+    args = p.parse_args(argv)
+    if args.log_every is None:
+        args.log_every = -(-args.epochs // LOGS_PER_RUN)
+    return args
 
 
 def _sgd(lr, **_):
@@ -105,13 +152,22 @@ def build_mlp(input_dim, num_classes, seed, width=128):
     )
 
 
+def _datasets(args):
+    if args.data:
+        return [args.data]
+    return [d.strip() for d in args.dataset.split(",") if d.strip()]
+
+
 def run(args):
-    """Runs every (dataset, optimizer, batch size); returns the table rows."""
+    """Runs every (dataset, optimizer, batch size) not already in
+    ``results.csv``; returns this job's table rows."""
+    os.makedirs(args.output, exist_ok=True)
+    results = ResultsFile(os.path.join(args.output, "results.csv"), fresh=args.fresh)
     rows, curves = [], {}
-    for dataset in [d.strip() for d in args.dataset.split(",") if d.strip()]:
-        r, c = run_dataset(args, dataset)
+    for dataset in _datasets(args):
+        r, c = run_dataset(args, dataset, results)
         rows += r
-        curves[dataset] = c
+        curves[_dataset_label(dataset)] = c
     print()
     print(format_table(rows))
     print(
@@ -123,9 +179,7 @@ def run(args):
         f"lambda_max the ± is the Lanczos residual bound.\n"
         f"All on up to {args.probe_size} test examples, {args.num_probes} probes per round, seed {args.seed}."
     )
-    csv_path = os.path.join(args.output, "results.csv")
-    write_csv(rows, csv_path)
-    print(f"\nresults: {csv_path}")
+    print(f"\nresults: {results.path}")
     if not args.no_plot:
         png = os.path.join(args.output, "sharpness.png")
         plot(curves, png)
@@ -133,52 +187,236 @@ def run(args):
     return rows
 
 
-def run_dataset(args, dataset):
+def _dataset_label(dataset):
+    return os.path.splitext(os.path.basename(dataset))[0] if dataset.endswith(".npz") else dataset
+
+
+def _config(args, dataset):
+    """What a run's row depends on besides (dataset, optimizer, batch): a
+    re-run with the same configuration skips the row."""
+    import hashlib
+    import json
+
+    from keras_geosam import __version__
+
+    data = os.path.abspath(dataset) if dataset.endswith(".npz") else dataset
+    if dataset.endswith(".npz"):
+        stat = os.stat(dataset)
+        data = f"{data}:{stat.st_size}:{int(stat.st_mtime)}"
+    fields = [data, args.epochs, args.lr, args.seed, args.probe_size, args.num_probes, args.log_every, DAMPING, __version__]
+    return hashlib.sha1(json.dumps(fields).encode()).hexdigest()[:12]
+
+
+class _TimedLogger:
+    """Mixin: adds up the wall time SharpnessLogger spends, so the job can
+    report logging's share of training time."""
+
+    seconds = 0.0
+
+    def compute(self):
+        t0 = time.perf_counter()
+        try:
+            return super().compute()
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+def _epoch_printer(label, epochs):
+    import keras
+
+    class EpochLine(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.t0 = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            logs = logs or {}
+            parts = [f"{k} {logs[k]:.4g}" for k in ("loss", "accuracy", "val_loss", "val_accuracy") if k in logs]
+            sharp = [k for k in ("riemannian_sharpness_kfac", "hessian_trace") if k in logs and logs[k] == logs[k]]
+            parts += [f"{k} {logs[k]:.4g} ± {logs.get(k + '_stderr', 0):.2g}" for k in sharp]
+            print(f"    {label} epoch {epoch + 1}/{epochs}: " + ", ".join(parts) + f" ({time.perf_counter() - self.t0:.1f}s)", flush=True)
+
+    return EpochLine()
+
+
+def run_dataset(args, dataset, results):
     import keras
 
     import keras_geosam as kg
     from keras_geosam import datasets
 
     (x_tr, y_tr), (x_te, y_te), classes = datasets.load(dataset, seed=args.seed)
+    name_of_data = _dataset_label(dataset)
     if x_tr.ndim > 2:
         x_tr, x_te = x_tr.reshape(len(x_tr), -1), x_te.reshape(len(x_te), -1)
     probe = slice(0, min(args.probe_size, len(x_te)))
     xp, yp = x_te[probe], y_te[probe]
-    os.makedirs(args.output, exist_ok=True)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     names = [s.strip() for s in args.optimizers.split(",") if s.strip()]
     for n in names:
         if n not in OPTIMIZERS:
             raise SystemExit(f"unknown optimizer {n!r}; choose from {sorted(OPTIMIZERS)}")
     batch_sizes = list(args.batch_sizes)
+    config = _config(args, dataset)
     print(
-        f"keras_geosam main job: backend={keras.backend.backend()} dataset={dataset} "
-        f"train={len(x_tr)} test={len(x_te)} epochs={args.epochs} probe examples={len(xp)}"
+        f"keras_geosam main job: backend={keras.backend.backend()} dataset={name_of_data} "
+        f"train={len(x_tr)} test={len(x_te)} classes={classes} epochs={args.epochs} "
+        f"probe examples={len(xp)} sharpness every {args.log_every} epoch(s)",
+        flush=True,
     )
-    results, curves = [], {}
-    for name in names:
-        for bs in batch_sizes:
-            label = f"{dataset} {name} B={bs}"
-            model = build_mlp(x_tr.shape[1], classes, args.seed)
-            model.compile(optimizer=OPTIMIZERS[name](args.lr), loss=loss, metrics=["accuracy"])
-            logger = kg.callbacks.SharpnessLogger(
-                xp, yp,
-                metrics=("hessian_trace", "riemannian_sharpness", "riemannian_sharpness_kfac"),
-                every_n_epochs=args.log_every, num_probes=args.num_probes, seed=args.seed,
-                options={"riemannian_sharpness": {"damping": DAMPING}, "riemannian_sharpness_kfac": {"damping": DAMPING}},
+    Logger = type("SharpnessLogger", (_TimedLogger, kg.callbacks.SharpnessLogger), {})
+    runs = [(n, bs) for n in names for bs in batch_sizes]
+    out, curves = [], {}
+    for i, (name, bs) in enumerate(runs, 1):
+        label = f"{name_of_data} {name} B={bs}"
+        hist_path = os.path.join(args.output, "history", f"{name_of_data}_{name}_B{bs}_{config}.json")
+        done = results.get(label, config)
+        if done is not None and os.path.exists(hist_path):
+            if args.verbose:
+                print(f"  [{i}/{len(runs)}] {label}: already in {results.path}, skipped (--fresh recomputes)", flush=True)
+            out.append(done)
+            curves[f"{name} B={bs}"] = _read_json(hist_path)
+            continue
+        if args.verbose:
+            print(f"  [{i}/{len(runs)}] {label}: training {args.epochs} epochs", flush=True)
+        model = build_mlp(x_tr.shape[1], classes, args.seed)
+        model.compile(optimizer=OPTIMIZERS[name](args.lr), loss=loss, metrics=["accuracy"])
+        logger = Logger(
+            xp, yp,
+            metrics=LOGGED,
+            every_n_epochs=args.log_every, num_probes=args.num_probes, seed=args.seed,
+            options={"riemannian_sharpness_kfac": {"damping": DAMPING}},
+            verbose=int(args.verbose >= 2),
+        )
+        callbacks = [logger] + ([_epoch_printer(label, args.epochs)] if args.verbose >= 2 else [])
+        t0 = time.perf_counter()
+        hist = model.fit(
+            x_tr, y_tr, batch_size=bs, epochs=args.epochs, verbose=0,
+            validation_data=(x_te, y_te), callbacks=callbacks,
+        )
+        seconds = time.perf_counter() - t0
+        if args.verbose:
+            print(
+                f"  [{i}/{len(runs)}] {label}: trained in {seconds:.1f}s, of which sharpness logging "
+                f"{logger.seconds:.1f}s ({100 * logger.seconds / max(seconds, 1e-9):.0f}%); final sharpness "
+                f"({len(FINAL_ESTIMATES)} estimates on {len(xp)} examples)...",
+                flush=True,
             )
-            t0 = time.perf_counter()
-            hist = model.fit(
-                x_tr, y_tr, batch_size=bs, epochs=args.epochs, verbose=0,
-                validation_data=(x_te, y_te), callbacks=[logger],
+        row = {"run": label, "config": config, "dataset": name_of_data, "optimizer": name, "batch": bs,
+               "seconds": seconds, "logging seconds": logger.seconds}
+        t1 = time.perf_counter()
+        row.update(final_metrics(model, x_te, y_te, xp, yp, args))
+        row["final sharpness seconds"] = time.perf_counter() - t1
+        _write_json(hist_path, hist.history)
+        results.append(row)
+        out.append(row)
+        curves[f"{name} B={bs}"] = hist.history
+        if args.verbose:
+            print(f"  [{i}/{len(runs)}] {label}: test acc {row['test_acc']:.4f} ({time.perf_counter() - t0:.1f}s in all)", flush=True)
+    return out, curves
+
+
+def _read_json(path):
+    import json
+
+    with open(path) as f:
+        return json.load(f)
+
+
+def _write_json(path, obj):
+    import json
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({k: [float(v) for v in vals] for k, vals in obj.items()}, f)
+    os.replace(tmp, path)  # atomic: a kill leaves the old file or the new one
+
+
+class ResultsFile:
+    """``results.csv``, one row per finished run, appended as runs finish.
+
+    Rows are keyed by ``(run, config)``; a killed job leaves the rows it
+    finished (a half-written last line is dropped on the next read), and a
+    re-run with the same configuration skips them.
+    """
+
+    def __init__(self, path, fresh=False):
+        self.path = path
+        self.rows = []
+        self.fields = None
+        if fresh and os.path.exists(path):
+            os.remove(path)
+        if os.path.exists(path):
+            self._read()
+
+    def _read(self):
+        import csv
+
+        with open(self.path, newline="") as f:
+            text = f.read()
+        lines = text.splitlines(keepends=True)
+        if lines and not lines[-1].endswith("\n"):
+            lines = lines[:-1]  # cut off mid-write
+        reader = csv.DictReader(lines)
+        self.fields = reader.fieldnames
+        for rec in reader:
+            if None in rec or any(v is None for v in rec.values()):
+                continue  # a malformed line
+            self.rows.append({k: _from_csv(v) for k, v in rec.items()})
+        if "".join(lines) != text:
+            self._rewrite()
+
+    def _rewrite(self):
+        import csv
+
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=self.fields)
+            w.writeheader()
+            w.writerows(self.rows)
+        os.replace(tmp, self.path)
+
+    def get(self, run, config):
+        for row in self.rows:
+            if row.get("run") == run and str(row.get("config")) == config:
+                return row
+        return None
+
+    def append(self, row):
+        import csv
+
+        if self.fields is not None and list(row) != list(self.fields):
+            raise SystemExit(
+                f"{self.path} has other columns than this version writes; "
+                f"pass --fresh to start it over or --output for another folder."
             )
-            seconds = time.perf_counter() - t0
-            row = {"run": label, "dataset": dataset, "optimizer": name, "batch": bs, "seconds": seconds}
-            row.update(final_metrics(model, x_te, y_te, xp, yp, args))
-            results.append(row)
-            curves[f"{name} B={bs}"] = hist.history
-            print(f"  {label:>28}: test acc {row['test_acc']:.4f}  ({seconds:.1f}s)")
-    return results, curves
+        new = self.fields is None
+        self.fields = list(row)
+        with open(self.path, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=self.fields)
+            if new:
+                w.writeheader()
+            w.writerow(row)
+            f.flush()
+            os.fsync(f.fileno())
+        self.rows.append(row)
+
+
+def _from_csv(text):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+FINAL_ESTIMATES = ("S_R diag", "S_R diag damped", "S_R mc(8) damped", "S_R kfac", "tr H", "lambda_max", "lambda_max R")
+LOGS_PER_RUN = 4
+# Logged during training (the plot's curves); the final table has them all.
+# Each estimator's first call compiles, which costs more than later calls,
+# so the logged set is kept to two.
+LOGGED = ("hessian_trace", "riemannian_sharpness_kfac")
 
 
 def final_metrics(model, x_te, y_te, xp, yp, args):
@@ -244,16 +482,6 @@ def format_table(rows):
     return "\n".join([line(COLUMNS), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
 
-def write_csv(rows, path):
-    import csv
-
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-
-
 def plot(curves_by_dataset, path):
     """One row of panels per dataset: accuracy, then each logged sharpness
     measure per epoch with a band of two standard errors."""
@@ -265,7 +493,6 @@ def plot(curves_by_dataset, path):
 
     panels = [
         ("val_accuracy", "test accuracy"),
-        ("riemannian_sharpness", f"diagonal S_R (damping {DAMPING})"),
         ("riemannian_sharpness_kfac", f"K-FAC S_R (damping {DAMPING})"),
         ("hessian_trace", "tr H (Euclidean)"),
     ]
@@ -293,21 +520,41 @@ def plot(curves_by_dataset, path):
     plt.close(fig)
 
 
+def _reexec_under(backend, argv):
+    # Keras fixes its backend at import: re-run in a fresh process.
+    env = dict(os.environ, KERAS_BACKEND=backend)
+    os.execvpe(sys.executable, [sys.executable, "-m", "keras_geosam"] + list(argv), env)
+
+
 def main(argv=None):
-    args = _parse(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Keep TensorFlow's C++ start-up lines out of the output unless asked for.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if argv[:1] == ["study"]:
+        from keras_geosam import study
+
+        return study.main(argv[1:])
+    args = _parse(argv)
     if args.compare:
-        argv_given = sys.argv[1:] if argv is None else argv
-        if not any(a.startswith("--optimizers") for a in argv_given):
+        if not any(a.startswith("--optimizers") for a in argv):
             args.optimizers = COMPARISON
-        if not any(a.startswith("--batch-sizes") for a in argv_given):
+        if not any(a.startswith("--batch-sizes") for a in argv):
             args.batch_sizes = [32]
-        if not any(a.startswith("--dataset") for a in argv_given):
+        if not any(a.startswith("--dataset") for a in argv) and not args.data:
             args.dataset = "digits,mnist1d"
+    if args.data:
+        # Checked before Keras loads: a malformed file costs no start-up.
+        from keras_geosam.datasets import load_npz
+
+        try:
+            load_npz(args.data)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"keras-geosam: --data: {e}") from None
     if args.backend and os.environ.get("KERAS_BACKEND") != args.backend:
-        # Keras fixes its backend at import: re-run in a fresh process.
-        env = dict(os.environ, KERAS_BACKEND=args.backend)
-        argv = [a for a in (sys.argv[1:] if argv is None else argv)]
-        os.execvpe(sys.executable, [sys.executable, "-m", "keras_geosam"] + argv, env)
+        _reexec_under(args.backend, argv)
+    import keras_geosam
+
+    keras_geosam._load_all()
     run(args)
     return 0
 

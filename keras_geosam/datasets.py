@@ -11,11 +11,15 @@ import os
 import numpy as np
 
 NAMES = ("digits", "mnist1d", "mnist", "cifar10")
+NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
 
 
 def load(name, seed=0, test_fraction=0.25):
     """Returns ``(x_train, y_train), (x_test, y_test), num_classes``, float32
-    inputs and int32 labels."""
+    inputs and int32 labels. A name ending in ``.npz`` is read by
+    :func:`load_npz`."""
+    if str(name).endswith(".npz"):
+        return load_npz(name)
     if name == "digits":
         try:
             from sklearn.datasets import load_digits
@@ -62,3 +66,102 @@ def load(name, seed=0, test_fraction=0.25):
             x_tr, x_te = x_tr[..., None], x_te[..., None]
         return (x_tr, y_tr.reshape(-1).astype("int32")), (x_te, y_te.reshape(-1).astype("int32")), 10
     raise ValueError(f"Unknown dataset {name!r}; choose from {NAMES}.")
+
+
+def load_npz(path):
+    """Reads a classification dataset from an ``.npz`` file.
+
+    The file holds ``x_train, y_train, x_test, y_test`` and, optionally,
+    ``num_classes`` (otherwise one more than the largest training label).
+    Labels are integers in ``[0, num_classes)``, one per example (shape
+    ``(N,)`` or ``(N, 1)``; one-hot rows are accepted and turned into
+    indices). Inputs are cast to float32 and must be finite.
+
+    Args:
+        path: the ``.npz`` file, e.g. written by
+            ``np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)``.
+
+    Returns:
+        ``(x_train, y_train), (x_test, y_test), num_classes``.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: a key is missing, or lengths, shapes, labels or values
+            are invalid; the message names the key.
+
+    Example:
+
+    >>> import os, tempfile
+    >>> import numpy as np
+    >>> from keras_geosam.datasets import load_npz
+    >>> path = os.path.join(tempfile.mkdtemp(), "toy.npz")
+    >>> np.savez(path, x_train=np.zeros((4, 3)), y_train=[0, 1, 2, 1],
+    ...          x_test=np.ones((2, 3)), y_test=[2, 0])
+    >>> (x, y), (xt, yt), classes = load_npz(path)
+    >>> x.shape, y.tolist(), classes
+    ((4, 3), [0, 1, 2, 1], 3)
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"No such data file: {path!r} (want an .npz with keys {', '.join(NPZ_KEYS)}).")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+    except Exception as e:
+        raise ValueError(f"{path!r} is not a readable .npz file (numpy.savez output): {e}") from e
+    missing = [k for k in NPZ_KEYS if k not in arrays]
+    if missing:
+        raise ValueError(
+            f"{path!r} lacks key(s) {missing}; it has {sorted(arrays)}. Expected "
+            f"{', '.join(NPZ_KEYS)} (and optionally num_classes)."
+        )
+    xs = {}
+    for split in ("train", "test"):
+        x = arrays[f"x_{split}"]
+        if x.ndim < 2 or len(x) == 0:
+            raise ValueError(f"x_{split} must hold at least one example with features, shape (N, ...); got shape {x.shape}.")
+        if not np.issubdtype(x.dtype, np.number) or np.issubdtype(x.dtype, np.complexfloating):
+            raise ValueError(f"x_{split} must be real numbers, got dtype {x.dtype}.")
+        x = x.astype("float32")
+        if not np.all(np.isfinite(x)):
+            raise ValueError(f"x_{split} holds NaN or Inf (or values beyond float32's range).")
+        xs[split] = x
+    if xs["train"].shape[1:] != xs["test"].shape[1:]:
+        raise ValueError(
+            f"x_train examples have shape {xs['train'].shape[1:]} but x_test examples "
+            f"have shape {xs['test'].shape[1:]}."
+        )
+    ys = {}
+    for split in ("train", "test"):
+        y = np.asarray(arrays[f"y_{split}"])
+        n = len(xs[split])
+        if y.ndim == 2 and y.shape[1] > 1:
+            # one-hot rows (or probabilities): the class is the largest entry
+            y = np.argmax(y, axis=1)
+        elif y.ndim == 2:
+            y = y[:, 0]
+        if y.ndim != 1:
+            raise ValueError(f"y_{split} must have shape (N,), (N, 1) or one-hot (N, C); got {y.shape}.")
+        if len(y) != n:
+            raise ValueError(f"y_{split} has {len(y)} labels but x_{split} has {n} examples.")
+        if not np.issubdtype(y.dtype, np.number) or not np.all(np.isfinite(y)) or np.any(y != np.round(y)):
+            raise ValueError(f"y_{split} must hold integer class labels; got dtype {y.dtype} with non-integer values.")
+        ys[split] = y.astype("int64")
+    if "num_classes" in arrays:
+        classes = int(arrays["num_classes"])
+        if classes < 2:
+            raise ValueError(f"num_classes must be >= 2, got {classes}.")
+    else:
+        classes = int(ys["train"].max()) + 1
+    for split in ("train", "test"):
+        y = ys[split]
+        bad = (y < 0) | (y >= classes)
+        if np.any(bad):
+            source = "num_classes" if "num_classes" in arrays else "the largest y_train label + 1"
+            raise ValueError(
+                f"y_{split} has label {int(y[bad][0])} outside [0, {classes}) ({classes} classes from "
+                f"{source}); store num_classes in the file if some classes are missing from y_train."
+            )
+    if classes < 2:
+        raise ValueError("y_train holds a single class; a classifier needs at least 2 (or store num_classes).")
+    return (xs["train"], ys["train"].astype("int32")), (xs["test"], ys["test"].astype("int32")), classes

@@ -13,6 +13,8 @@ a list of backend tensors:
 - ``hvp(f, params, vectors, *args)`` -> Hessian of scalar ``f`` times ``vectors``
 - ``hvp_batched(f, params, vectors, *args)`` -> the same for vectors with a
   leading probe axis k, linearising ``f`` once for all of them
+- ``linearize(f, params, *args)`` -> ``(f(params), jvp_fn, vjp_fn)``: J t and
+  J^T c of a tensor-valued ``f``, both reusing one forward pass
 - ``vjp_batched(f, params, *args, has_aux=False)`` -> ``(value, aux,
   pullback)`` where ``pullback(cotangents)`` takes cotangents with a leading
   axis k and may be called repeatedly on the one forward pass
@@ -48,6 +50,7 @@ jvp = _impl.jvp
 vjp = _impl.vjp
 hvp = _impl.hvp
 hvp_batched = _impl.hvp_batched
+linearize = _impl.linearize
 vjp_batched = _impl.vjp_batched
 per_example_grads = _impl.per_example_grads
 eigh = _impl.eigh
@@ -63,6 +66,7 @@ __all__ = [
     "vjp",
     "hvp",
     "hvp_batched",
+    "linearize",
     "vjp_batched",
     "per_example_grads",
     "eigh",

@@ -29,6 +29,14 @@ def hvp_batched(f, params, vectors, *args):
     return jax.vmap(linear)(vectors)
 
 
+def linearize(f, params, *args):
+    """``(f(params), jvp_fn, vjp_fn)``: J t and J^T c of the tensor-valued
+    ``f`` at `params`, from one forward pass that every call reuses."""
+    out, linear = jax.linearize(lambda p: f(p, *args), list(params))
+    transpose = jax.linear_transpose(linear, list(params))
+    return out, lambda t: linear(list(t)), lambda c: list(transpose(c)[0])
+
+
 def vjp_batched(f, params, *args, has_aux=False):
     """``(value, aux, pullback)``; ``pullback(cotangents)`` maps cotangents
     with a leading axis k to gradients with that axis, reusing one forward."""

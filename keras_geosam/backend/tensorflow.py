@@ -60,6 +60,29 @@ def hvp_batched(f, params, vectors, *args):
     return [tf.stack(parts) for parts in zip(*rows)]
 
 
+def linearize(f, params, *args):
+    """``(f(params), jvp_fn, vjp_fn)``: J t and J^T c of the tensor-valued
+    ``f`` at `params`, on persistent tapes of one forward pass. J t is the
+    derivative of the (linear) map c -> J^T c, so it needs no forward-mode
+    pass either."""
+    params = list(params)
+    with tf.GradientTape(persistent=True) as tape:
+        tape.watch(params)
+        out = f(params, *args)
+    dummy = tf.zeros_like(out)
+    with tf.GradientTape(persistent=True) as outer:
+        outer.watch(dummy)
+        pulled = tape.gradient(out, params, output_gradients=dummy, unconnected_gradients=_ZERO)
+
+    def vjp_fn(c):
+        return tape.gradient(out, params, output_gradients=c, unconnected_gradients=_ZERO)
+
+    def jvp_fn(t):
+        return outer.gradient(pulled, dummy, output_gradients=list(t), unconnected_gradients=_ZERO)
+
+    return out, jvp_fn, vjp_fn
+
+
 def vjp_batched(f, params, *args, has_aux=False):
     """``(value, aux, pullback)``; ``pullback(cotangents)`` maps cotangents
     with a leading axis k to gradients with that axis, reusing one forward."""

@@ -93,6 +93,32 @@ def hvp_batched(f, params, vectors, *args):
         return _batched_grad([grads[i] for i in used], leaves, [vectors[i] for i in used])
 
 
+def linearize(f, params, *args):
+    """``(f(params), jvp_fn, vjp_fn)``: J t and J^T c of the tensor-valued
+    ``f`` at `params`, on one retained graph. J t is the derivative of the
+    (linear) map c -> J^T c, so it needs no second forward pass either."""
+    with torch.enable_grad():
+        leaves = _leaves(params)
+        out = f(leaves, *args)
+        dummy = torch.zeros_like(out, requires_grad=True)
+        pulled = torch.autograd.grad(out, leaves, dummy, create_graph=True, allow_unused=True)
+    used = [i for i, g in enumerate(pulled) if g is not None and g.requires_grad]
+
+    def vjp_fn(c):
+        with torch.enable_grad():
+            grads = torch.autograd.grad(out, leaves, c, retain_graph=True, allow_unused=True)
+        return [g.detach() for g in _fill(grads, leaves)]
+
+    def jvp_fn(t):
+        if not used:
+            return torch.zeros_like(out).detach()
+        with torch.enable_grad():
+            (j,) = torch.autograd.grad([pulled[i] for i in used], dummy, [t[i] for i in used], retain_graph=True)
+        return j.detach()
+
+    return out.detach(), jvp_fn, vjp_fn
+
+
 def vjp_batched(f, params, *args, has_aux=False):
     """``(value, aux, pullback)``; ``pullback(cotangents)`` maps cotangents
     with a leading axis k to gradients with that axis, reusing one forward."""

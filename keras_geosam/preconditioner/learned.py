@@ -145,19 +145,29 @@ class LearnedPreconditioner:
             require_classifier(resolve_loss(model), 'LLQR with divergence="ngd"')
 
     def _problem(self, model, values, non_trainable, x, y):
-        """gbar and the G-product at `values`, inference mode."""
+        """gbar and the G-product at `values`, inference mode. The model is
+        linearised once per refresh: every inner step's product reuses that
+        one forward pass instead of running the network again."""
         fns = model_functions(model, None, training=False, include_regularization=False)
         if self.divergence == "ngd":
             require_classifier(fns.spec, 'LLQR with divergence="ngd"')
-            # The GGN summed over the batch: N times the batch-mean surrogate's.
-            def summed(p, nt, xb):
-                mean = fns.ggn_surrogate_of(p, nt, xb, None, None, None, kind="exact")
-                return ops.cast(ops.shape(xb)[0], mean.dtype) * mean
+            # G = sum_n J_n^T (diag p_n - p_n p_n^T) J_n, the GGN summed over
+            # the batch, and gbar = J^T r / N with r_n = dl_n/dz_n.
+            z, jvp_fn, vjp_fn = backend.linearize(fns.logits, list(values), non_trainable, x)
+            z = ops.stop_gradient(z)
+            p = ops.exp(ops.log_softmax(z, axis=-1))
+            r = fns.output_gradient(z, y)
+            n = ops.cast(ops.shape(z)[0], z.dtype)
+            gbar = [ops.cast(g, v.dtype) for g, v in zip(vjp_fn(r / n), values)]
 
-            gprod = lambda u: backend.hvp(summed, list(values), u, non_trainable, x)
-        else:
-            gprod = lambda u: backend.hvp(fns.loss, list(values), u, non_trainable, x, y)
+            def gprod(u):
+                w = jvp_fn([ops.cast(t, v.dtype) for t, v in zip(u, values)])
+                w = ops.cast(w, p.dtype)
+                return vjp_fn(p * w - p * ops.sum(p * w, axis=-1, keepdims=True))
+
+            return gbar, gprod
         _, gbar = backend.value_and_grad(fns.loss, list(values), non_trainable, x, y)
+        gprod = lambda u: backend.hvp(fns.loss, list(values), u, non_trainable, x, y)
         return gbar, gprod
 
     def refreshed(self, model, values, non_trainable, x, y):
