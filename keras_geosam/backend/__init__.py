@@ -13,6 +13,8 @@ a list of backend tensors:
 - ``hvp(f, params, vectors, *args)`` -> Hessian of scalar ``f`` times ``vectors``
 - ``hvp_batched(f, params, vectors, *args)`` -> the same for vectors with a
   leading probe axis k, linearising ``f`` once for all of them
+- ``value_and_vjp(f, params, *args)`` -> ``(f(params), pull)``, ``pull(c)``
+  = J^T c from the same forward pass
 - ``linearize(f, params, *args)`` -> ``(f(params), jvp_fn, vjp_fn)``: J t and
   J^T c of a tensor-valued ``f``, both reusing one forward pass
 - ``vjp_batched(f, params, *args, has_aux=False)`` -> ``(value, aux,
@@ -51,6 +53,7 @@ vjp = _impl.vjp
 hvp = _impl.hvp
 hvp_batched = _impl.hvp_batched
 linearize = _impl.linearize
+value_and_vjp = _impl.value_and_vjp
 vjp_batched = _impl.vjp_batched
 per_example_grads = _impl.per_example_grads
 eigh = _impl.eigh
@@ -67,6 +70,7 @@ __all__ = [
     "hvp",
     "hvp_batched",
     "linearize",
+    "value_and_vjp",
     "vjp_batched",
     "per_example_grads",
     "eigh",

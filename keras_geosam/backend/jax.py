@@ -29,6 +29,13 @@ def hvp_batched(f, params, vectors, *args):
     return jax.vmap(linear)(vectors)
 
 
+def value_and_vjp(f, params, *args):
+    """``(f(params), pull)`` with ``pull(cotangent) = J^T cotangent`` from the
+    same forward pass (``f`` may return a list)."""
+    value, pull = jax.vjp(lambda p: f(p, *args), list(params))
+    return value, lambda c: list(pull(c)[0])
+
+
 def linearize(f, params, *args):
     """``(f(params), jvp_fn, vjp_fn)``: J t and J^T c of the tensor-valued
     ``f`` at `params`, from one forward pass that every call reuses."""

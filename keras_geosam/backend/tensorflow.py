@@ -60,6 +60,16 @@ def hvp_batched(f, params, vectors, *args):
     return [tf.stack(parts) for parts in zip(*rows)]
 
 
+def value_and_vjp(f, params, *args):
+    """``(f(params), pull)`` with ``pull(cotangent) = J^T cotangent`` from the
+    same forward pass (``f`` may return a list); `pull` is called once."""
+    params = list(params)
+    with tf.GradientTape() as tape:
+        tape.watch(params)
+        out = f(params, *args)
+    return out, lambda c: tape.gradient(out, params, output_gradients=c, unconnected_gradients=_ZERO)
+
+
 def linearize(f, params, *args):
     """``(f(params), jvp_fn, vjp_fn)``: J t and J^T c of the tensor-valued
     ``f`` at `params`, on persistent tapes of one forward pass. J t is the

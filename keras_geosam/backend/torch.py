@@ -93,6 +93,26 @@ def hvp_batched(f, params, vectors, *args):
         return _batched_grad([grads[i] for i in used], leaves, [vectors[i] for i in used])
 
 
+def value_and_vjp(f, params, *args):
+    """``(f(params), pull)`` with ``pull(cotangent) = J^T cotangent`` from the
+    same forward pass (``f`` may return a list); `pull` is called once."""
+    with torch.enable_grad():
+        leaves = _leaves(params)
+        out = f(leaves, *args)
+    outs = list(out) if isinstance(out, (list, tuple)) else [out]
+
+    def pull(c):
+        cots = list(c) if isinstance(out, (list, tuple)) else [c]
+        pairs = [(o, k) for o, k in zip(outs, cots) if o.requires_grad]
+        if not pairs:
+            return [torch.zeros_like(p) for p in leaves]
+        with torch.enable_grad():
+            grads = torch.autograd.grad([o for o, _ in pairs], leaves, [k for _, k in pairs], allow_unused=True)
+        return [g.detach() for g in _fill(grads, leaves)]
+
+    return _detach(out), pull
+
+
 def linearize(f, params, *args):
     """``(f(params), jvp_fn, vjp_fn)``: J t and J^T c of the tensor-valued
     ``f`` at `params`, on one retained graph. J t is the derivative of the

@@ -38,10 +38,10 @@ def objective(layout, params, gbar, gprod):
 
 def objective_gradient(layout, params, gbar, gprod):
     """grad of J with respect to the flat U parameters."""
-    u = _direction(layout, params, gbar)
+    # One pass of U -> U gbar serves both u and the pullback.
+    u, pull = backend.value_and_vjp(lambda p: _direction(layout, p, gbar), list(params))
     Gu = gprod(u)
-    cotangent = [g + h for g, h in zip(gbar, Gu)]
-    return backend.vjp(lambda p: _direction(layout, p, gbar), list(params), cotangent)
+    return pull([g + h for g, h in zip(gbar, Gu)])
 
 
 def _sanitise(grads):
