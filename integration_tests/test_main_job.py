@@ -124,3 +124,56 @@ def test_main_job_rejects_unknown_optimizer(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["--optimizers", "no-such-optimizer", "--epochs", "1", "--output", str(tmp_path / "out")])
     assert "no-such-optimizer" in str(info.value)
+
+
+def _rows_without_timings(path):
+    with open(path, newline="") as f:
+        return [{k: v for k, v in r.items() if "seconds" not in k} for r in csv.DictReader(f)]
+
+
+def test_compare_killed_midway_resumes_to_the_same_rows(tmp_path, capsys, monkeypatch):
+    """--compare writes each run's row as it finishes; a job killed after the
+    first run and started again computes only the rest, and its rows equal
+    an uninterrupted job's (timings aside)."""
+    argv = ["--compare", "--optimizers", "sgd,sam", "--dataset", "digits", "--batch-sizes", "64",
+            "--epochs", "1", "--no-plot", *COMMON]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    cli.main(argv + ["--output", str(whole)])
+    capsys.readouterr()
+
+    real_append = cli.ResultsFile.append
+    calls = []
+
+    def append_then_die(self, row):
+        real_append(self, row)
+        calls.append(row["run"])
+        raise KeyboardInterrupt  # the kill, right after the first row is on disk
+
+    monkeypatch.setattr(cli.ResultsFile, "append", append_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(argv + ["--output", str(resumed)])
+    monkeypatch.setattr(cli.ResultsFile, "append", real_append)
+    assert calls == ["digits sgd B=64"]
+    assert len(_rows_without_timings(resumed / "results.csv")) == 1
+
+    cli.main(argv + ["--output", str(resumed)])
+    out = capsys.readouterr().out
+    assert "digits sgd B=64: already in" in out and "digits sam B=64: training" in out
+    assert _rows_without_timings(resumed / "results.csv") == _rows_without_timings(whole / "results.csv")
+    _table(out)  # the table lists both runs, the skipped one included
+    assert out.count("digits s") >= 2
+
+
+def test_main_job_on_your_own_npz(tmp_path, capsys):
+    import numpy as np
+
+    from keras_geosam import datasets
+
+    (x, y), (xt, yt), _ = datasets.load("digits")
+    path = tmp_path / "mine.npz"
+    np.savez(path, x_train=x[:400], y_train=y[:400], x_test=xt[:100], y_test=yt[:100])
+    stdout, _ = _in_process(["--data", str(path), "--epochs", "1", "--batch-sizes", "32",
+                             "--output", str(tmp_path / "out"), "--no-plot", *COMMON], capsys)
+    assert "dataset=mine train=400 test=100 classes=10" in stdout
+    header, rows = _table(stdout)
+    assert len(rows) == 1 and "mine sgd B=32" in rows[0]

@@ -153,6 +153,8 @@ def load_npz(path):
             raise ValueError(f"num_classes must be >= 2, got {classes}.")
     else:
         classes = int(ys["train"].max()) + 1
+        if classes < 2:
+            raise ValueError("y_train holds a single class; a classifier needs at least 2 (or store num_classes).")
     for split in ("train", "test"):
         y = ys[split]
         bad = (y < 0) | (y >= classes)
@@ -162,6 +164,4 @@ def load_npz(path):
                 f"y_{split} has label {int(y[bad][0])} outside [0, {classes}) ({classes} classes from "
                 f"{source}); store num_classes in the file if some classes are missing from y_train."
             )
-    if classes < 2:
-        raise ValueError("y_train holds a single class; a classifier needs at least 2 (or store num_classes).")
     return (xs["train"], ys["train"].astype("int32")), (xs["test"], ys["test"].astype("int32")), classes

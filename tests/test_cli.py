@@ -20,3 +20,116 @@ def test_defaults_parse():
     args = cli._parse([])
     assert args.batch_sizes == [16, 256] and args.epochs == 20 and args.num_probes == 20
     assert cli._parse(["--batch-sizes", "8, 32"]).batch_sizes == [8, 32]
+
+
+# ----------------------------------------------------------- start-up ----
+def test_help_shows_defaults_and_backend_without_importing_keras(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, KERAS_BACKEND="torch")
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "keras_geosam", "--help"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    text = " ".join(proc.stdout.split())
+    assert "torch backend (KERAS_BACKEND" in text
+    assert "(default: 20)" in text and "(default: 0.05)" in text and "(default: geosam_output)" in text
+    assert "keras-geosam study" in text
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    heavy = {m for m in imported if m.split(".")[0] in ("keras", "tensorflow", "jax", "torch")}
+    assert not heavy, sorted(heavy)[:5]
+
+
+def test_backend_that_will_run(monkeypatch, tmp_path):
+    monkeypatch.setenv("KERAS_BACKEND", "jax")
+    assert cli.backend_that_will_run() == ("jax", "KERAS_BACKEND")
+    monkeypatch.delenv("KERAS_BACKEND")
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path))
+    assert cli.backend_that_will_run() == ("tensorflow", "Keras' default")
+    (tmp_path / "keras.json").write_text('{"backend": "torch"}')
+    assert cli.backend_that_will_run() == ("torch", "keras.json")
+
+
+def test_log_every_default_follows_epochs():
+    assert cli._parse(["--epochs", "20"]).log_every == 5
+    assert cli._parse(["--epochs", "3"]).log_every == 1
+    assert cli._parse(["--epochs", "20", "--log-every", "2"]).log_every == 2
+
+
+# ------------------------------------------------------------ --data ----
+def _npz(path, **overrides):
+    import numpy as np
+
+    r = np.random.default_rng(0)
+    arrays = dict(
+        x_train=r.normal(size=(20, 5)), y_train=np.arange(20) % 3,
+        x_test=r.normal(size=(6, 5)), y_test=np.arange(6) % 3,
+    )
+    arrays.update(overrides)
+    arrays = {k: v for k, v in arrays.items() if v is not None}
+    np.savez(path, **arrays)
+    return str(path)
+
+
+def test_load_npz_reads_and_converts(tmp_path):
+    import numpy as np
+
+    from keras_geosam.datasets import load_npz
+
+    onehot = np.eye(3)[np.arange(6) % 3]
+    (x, y), (xt, yt), classes = load_npz(_npz(tmp_path / "d.npz", y_test=onehot))
+    assert x.dtype == np.float32 and y.dtype == np.int32 and classes == 3
+    assert yt.tolist() == (np.arange(6) % 3).tolist()
+    (_, _), (_, yt), classes = load_npz(_npz(tmp_path / "e.npz", y_test=np.full(6, 4), num_classes=5))
+    assert classes == 5
+
+
+@pytest.mark.parametrize("override, words", [
+    ({"y_test": None}, ["y_test"]),
+    ({"x_train": None}, ["x_train"]),
+    ({"y_train": list(range(19))}, ["y_train", "19", "20"]),
+    ({"y_test": [0, 1, 2, 0, 1, 7]}, ["y_test", "7", "num_classes"]),
+    ({"y_train": [-1] + [1] * 19}, ["y_train", "-1"]),
+    ({"y_train": [0.5] * 20}, ["y_train", "integer"]),
+    ({"x_test": [[float("nan")] * 5] * 6}, ["x_test", "NaN"]),
+    ({"x_test": [[0.0] * 4] * 6}, ["x_train", "x_test", "shape"]),
+    ({"y_train": [0] * 20}, ["single class"]),
+])
+def test_load_npz_errors_name_the_key(tmp_path, override, words):
+    from keras_geosam.datasets import load_npz
+
+    path = _npz(tmp_path / "bad.npz", **override)
+    with pytest.raises(ValueError) as info:
+        load_npz(path)
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_main_rejects_a_bad_data_file_before_training(tmp_path):
+    path = _npz(tmp_path / "bad.npz", y_train=None)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--data", path, "--output", str(tmp_path / "out")])
+    assert "y_train" in str(info.value) and "--data" in str(info.value)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--data", str(tmp_path / "missing.npz"), "--output", str(tmp_path / "out")])
+    assert "missing.npz" in str(info.value)
+
+
+# ------------------------------------------------------ results.csv ----
+def test_results_file_appends_keys_and_drops_a_torn_line(tmp_path):
+    path = tmp_path / "results.csv"
+    rf = cli.ResultsFile(str(path))
+    rf.append({"run": "a", "config": "c1", "test_acc": 0.5})
+    rf.append({"run": "b", "config": "c1", "test_acc": 0.25})
+    with open(path, "a") as f:
+        f.write("c,c1,0.1")  # a kill mid-write: no newline
+    again = cli.ResultsFile(str(path))
+    assert [r["run"] for r in again.rows] == ["a", "b"]
+    assert again.get("b", "c1")["test_acc"] == 0.25 and again.get("b", "c2") is None
+    assert path.read_text().endswith("0.25\n")
+    with pytest.raises(SystemExit):
+        again.append({"run": "c", "other": 1})
+    assert cli.ResultsFile(str(path), fresh=True).rows == []

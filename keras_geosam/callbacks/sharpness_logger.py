@@ -53,6 +53,30 @@ class SharpnessLogger(keras.callbacks.Callback):
         options: per-metric keyword overrides, e.g.
             ``{"riemannian_sharpness": {"damping": 1e-2}}``.
         verbose: 1 prints one line per metric (value, stderr, seconds).
+
+    Raises:
+        ValueError: if a metric is unknown or none is given,
+            `every_n_epochs`, `num_probes` or `max_probes` is not an integer
+            >= 1, `rtol` is not positive, `options` names a metric that is
+            not logged, or the data is invalid; at the start of training,
+            if a Riemannian metric meets a loss that is not a categorical
+            cross-entropy.
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    >>> model.compile(optimizer="sgd",
+    ...               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> logger = kg.callbacks.SharpnessLogger(x, y, metrics=("hessian_trace", "riemannian_sharpness"))
+    >>> history = model.fit(x, y, epochs=2, verbose=0, callbacks=[logger])
+    >>> sorted(key for key in history.history if key != "loss")  # doctest: +NORMALIZE_WHITESPACE
+    ['hessian_trace', 'hessian_trace_stderr', 'riemannian_sharpness',
+     'riemannian_sharpness_normalized', 'riemannian_sharpness_stderr']
+    >>> len(history.history["hessian_trace"])
+    2
     """
 
     def __init__(

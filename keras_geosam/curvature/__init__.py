@@ -37,9 +37,47 @@ from keras_geosam.curvature.operators.model import _capture_of
 def loss_and_gradient(model, x, y, params=None, loss=None, batch_size=None, training=False, include_regularization=True):
     """Mean loss and its gradient, at the model's weights or at `params`.
 
-    Returns ``(loss, grads)``; `params` (a list like the trainable variables)
-    evaluates at other weight values without assigning them. Regularisation
-    losses are included unless ``include_regularization=False``.
+    The loss is averaged over all of ``(x, y)`` (streamed in `batch_size`
+    pieces, weighted by their size); regularisation losses are included
+    unless ``include_regularization=False``.
+
+    Args:
+        model: a built single-output ``keras.Model``.
+        x: inputs: a NumPy array or backend tensor (or a list of them for
+            several inputs).
+        y: targets of the same length.
+        params: a list like the trainable variables, to evaluate at other
+            weight values without assigning them. Defaults to `None` (the
+            model's weights).
+        loss: loss to use instead of the compiled one. Defaults to `None`.
+        batch_size: examples per streamed batch. Defaults to `None` (all
+            at once).
+        training: run layers in training mode. Defaults to `False`.
+        include_regularization: add the model's regularisation losses.
+            Defaults to `True`.
+
+    Returns:
+        A tuple ``(loss, grads)``: a scalar tensor and a list of tensors
+        shaped like the trainable variables.
+
+    Raises:
+        ValueError: if the model is not built or has no loss, `params` does
+            not match the trainable variables, or the data is invalid (not
+            arrays, lengths differ, non-finite inputs, labels that are not
+            class ids of the model).
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer="zeros")])
+    >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> loss, grads = kg.curvature.loss_and_gradient(model, x, y)
+    >>> round(float(loss), 4)  # log(3): uniform predictions
+    1.0986
+    >>> [tuple(g.shape) for g in grads]
+    [(4, 3), (3,)]
     """
     fns = model_functions(model, loss, training, include_regularization)
     check_data(x, y)
@@ -57,7 +95,47 @@ def loss_and_gradient(model, x, y, params=None, loss=None, batch_size=None, trai
 
 
 def hvp(model, x, y, vectors, loss=None, batch_size=None, training=False):
-    """Hessian of the mean loss (regularisers included) times `vectors`."""
+    """Hessian of the mean loss (regularisers included) times `vectors`.
+
+    Computes ``H v`` at the model's weights, for ``H`` the Hessian of the
+    mean loss over all of ``(x, y)``, without forming ``H``: one
+    linearisation per data batch. ``kg.curvature.Hessian`` is the operator.
+
+    Args:
+        model: a built single-output ``keras.Model``.
+        x: inputs: a NumPy array or backend tensor (or a list of them for
+            several inputs).
+        y: targets of the same length.
+        vectors: a list with one array per trainable variable, shaped like
+            it.
+        loss: loss to use instead of the compiled one. Defaults to `None`.
+        batch_size: examples per streamed batch. Defaults to `None` (256).
+        training: run layers in training mode. Defaults to `False`.
+
+    Returns:
+        A list of tensors shaped like the trainable variables.
+
+    Raises:
+        ValueError: if the model is not built or has no loss, `vectors` does
+            not match the trainable variables, or the data is invalid (not
+            arrays, lengths differ, non-finite inputs, labels that are not
+            class ids of the model).
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer="zeros")])
+    >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> v = [rng.normal(size=w.shape).astype("float32") for w in model.trainable_weights]
+    >>> hv = kg.curvature.hvp(model, x, y, v)
+    >>> [tuple(t.shape) for t in hv]
+    [(4, 3), (3,)]
+    >>> vhv = sum(np.sum(a * keras.ops.convert_to_numpy(b)) for a, b in zip(v, hv))
+    >>> round(float(vhv), 3)  # positive: this loss is convex in the weights
+    1.674
+    """
     fns = model_functions(model, loss, training)
     vectors = fns.check_vectors(vectors)
     return Hessian(model, x, y, loss=loss, batch_size=batch_size, training=training).matvec(vectors)
@@ -71,6 +149,44 @@ def ggnvp(model, x, y=None, vectors=None, reduction="mean", loss=None, batch_siz
     1 (``"sum"``). For a softmax-output model this is the Fisher of the
     predictive distribution (the GGN with respect to the pre-softmax logits).
     Labels `y` are not needed and ignored. ``GGN(model, x)`` is the operator.
+
+    Args:
+        model: a built single-output ``keras.Model``.
+        x: inputs: a NumPy array or backend tensor (or a list of them for
+            several inputs).
+        y: ignored (the GGN needs no labels). Defaults to `None`.
+        vectors: a list with one array per trainable variable, shaped like
+            it (required).
+        reduction: ``"mean"`` or ``"sum"`` over examples. Defaults to
+            ``"mean"``.
+        loss: loss to use instead of the compiled one. Defaults to `None`.
+        batch_size: examples per streamed batch. Defaults to `None` (256).
+        training: run layers in training mode. Defaults to `False`.
+
+    Returns:
+        A list of tensors shaped like the trainable variables.
+
+    Raises:
+        ValueError: if `vectors` is missing or does not match the trainable
+            variables, `reduction` is neither ``"mean"`` nor ``"sum"``, the
+            loss is not a categorical cross-entropy, the model is not built,
+            or the data is invalid (not arrays, lengths differ, non-finite
+            inputs, labels that are not class ids of the model).
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer="zeros")])
+    >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> v = [rng.normal(size=w.shape).astype("float32") for w in model.trainable_weights]
+    >>> gv = kg.curvature.ggnvp(model, x, vectors=v)
+    >>> hv = kg.curvature.hvp(model, x, y, v)
+    >>> # A linear softmax model's Hessian is its Gauss-Newton matrix.
+    >>> all(np.allclose(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b), atol=1e-5)
+    ...     for a, b in zip(gv, hv))
+    True
     """
     if vectors is None:
         raise ValueError("ggnvp needs `vectors`.")
@@ -89,9 +205,42 @@ def ggnvp(model, x, y=None, vectors=None, reduction="mean", loss=None, batch_siz
 def per_example_gradients(model, x, y, loss=None, batch_size=None, training=False):
     """Gradient of each example's loss (no regularisers), vectorised.
 
-    Returns a list matching the trainable variables, each with a leading axis
-    of size N. Meaningless with BatchNorm in training mode, hence the default
+    Meaningless with BatchNorm in training mode, hence the default
     ``training=False``.
+
+    Args:
+        model: a built single-output ``keras.Model``.
+        x: inputs: a NumPy array or backend tensor (or a list of them for
+            several inputs).
+        y: targets of the same length.
+        loss: loss to use instead of the compiled one. Defaults to `None`.
+        batch_size: examples per streamed batch. Defaults to `None` (all
+            at once).
+        training: run layers in training mode. Defaults to `False`.
+
+    Returns:
+        A list matching the trainable variables, each tensor with a leading
+        axis of size N (the number of examples).
+
+    Raises:
+        ValueError: if the model is not built or has no loss, or the data is
+            invalid (not arrays, lengths differ, non-finite inputs, labels
+            that are not class ids of the model).
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer="zeros")])
+    >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> grads = kg.curvature.per_example_gradients(model, x, y)
+    >>> [tuple(g.shape) for g in grads]
+    [(8, 4, 3), (8, 3)]
+    >>> _, mean_grads = kg.curvature.loss_and_gradient(model, x, y)
+    >>> np.allclose(np.mean(keras.ops.convert_to_numpy(grads[0]), axis=0),
+    ...             keras.ops.convert_to_numpy(mean_grads[0]), atol=1e-6)
+    True
     """
     fns = model_functions(model, loss, training)
     check_data(x, y)
@@ -112,10 +261,38 @@ def per_example_gradients(model, x, y, loss=None, batch_size=None, training=Fals
 def sampled_label_gradients(model, x, num_samples=1, seed=0, batch_size=None, training=False):
     """Per-example gradients of -log p(ŷ|x) with ŷ drawn from the model.
 
-    Returns ``(grads, labels)``: grads with a leading axis of size
-    ``N * num_samples`` (sample-major) and the labels drawn, the labels of
-    ``GGN(kind="mc", seed=seed)`` (see :func:`sample_labels`), the same on
-    every backend.
+    The labels are those of ``GGN(kind="mc", seed=seed)`` (see
+    :func:`sample_labels`), the same on every backend.
+
+    Args:
+        model: a built single-output ``keras.Model``.
+        x: inputs: a NumPy array or backend tensor (or a list of them for
+            several inputs).
+        num_samples: labels drawn per example. Defaults to `1`.
+        seed: seeds the draw. Defaults to `0`.
+        batch_size: examples per streamed batch. Defaults to `None` (all
+            at once).
+        training: run layers in training mode. Defaults to `False`.
+
+    Returns:
+        A tuple ``(grads, labels)``: a list like the trainable variables,
+        each tensor with a leading axis of size ``N * num_samples``
+        (sample-major), and the drawn labels (int32 NumPy).
+
+    Raises:
+        ValueError: if the loss is not a categorical cross-entropy,
+            `num_samples` is below 1, or `x` is invalid.
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer="zeros")])
+    >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> grads, labels = kg.curvature.sampled_label_gradients(model, x, num_samples=2)
+    >>> [tuple(g.shape) for g in grads], labels.shape
+    ([(16, 4, 3), (16, 3)], (16,))
     """
     fns = model_functions(model, None, training)
     require_classifier(fns.spec, "sampled_label_gradients")
@@ -128,7 +305,34 @@ def sampled_label_gradients(model, x, num_samples=1, seed=0, batch_size=None, tr
 
 
 def predict_probs(model, x, batch_size=None, training=False, loss=None):
-    """Softmax probabilities of the predictive distribution, as NumPy."""
+    """Softmax probabilities of the predictive distribution, as NumPy.
+
+    Args:
+        model: a built single-output ``keras.Model``.
+        x: inputs: a NumPy array or backend tensor (or a list of them for
+            several inputs).
+        batch_size: examples per batch. Defaults to `None` (all at once).
+        training: run layers in training mode. Defaults to `False`.
+        loss: loss to use instead of the compiled one. Defaults to `None`.
+
+    Returns:
+        A float64 NumPy array of shape ``(N, num_classes)``.
+
+    Raises:
+        ValueError: if the loss is not a categorical cross-entropy (on
+            logits or softmax outputs).
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer="zeros")])
+    >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> probs = kg.curvature.predict_probs(model, x)
+    >>> probs.shape, probs.dtype, np.round(probs[0], 3).tolist()
+    ((8, 3), dtype('float64'), [0.333, 0.333, 0.333])
+    """
     import numpy as np
 
     fns = model_functions(model, loss, training)
@@ -144,6 +348,26 @@ def sample_labels(probs, num_samples, seed, offset=0):
     Label s of example n is the inverse CDF of ``probes.uniform(seed, n +
     offset, s)``: a counter-based draw, identical on every backend and to
     the labels of ``GGN(kind="mc")`` for the same seed.
+
+    Args:
+        probs: ``(N, num_classes)`` probabilities, rows summing to one.
+        num_samples: labels per row.
+        seed: seeds the draw.
+        offset: index of the first row in the whole data (so streamed
+            batches draw as one pass would). Defaults to `0`.
+
+    Returns:
+        An int32 NumPy array of ``N * num_samples`` labels, all of row 0..N-1
+        for the first sample, then the second, and so on.
+
+    Raises:
+        ValueError: if `num_samples` is below 1.
+
+    Example:
+
+    >>> probs = np.array([[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]])
+    >>> kg.curvature.sample_labels(probs, num_samples=2, seed=0).tolist()
+    [0, 2, 0, 2]
     """
     import numpy as np
 
@@ -158,14 +382,71 @@ def sample_labels(probs, num_samples, seed, offset=0):
 
 
 def jvp(model, x, vectors, training=False):
-    """Model outputs and their directional derivative J v."""
+    """Model outputs and their directional derivative J v.
+
+    ``J`` is the Jacobian of the model's outputs (for all examples) with
+    respect to its trainable variables; no loss is involved.
+
+    Args:
+        model: a built single-output ``keras.Model``.
+        x: inputs: a NumPy array or backend tensor (or a list of them for
+            several inputs).
+        vectors: a list with one array per trainable variable, shaped like
+            it.
+        training: run layers in training mode. Defaults to `False`.
+
+    Returns:
+        A tuple ``(outputs, jv)`` of two tensors shaped like the model's
+        output.
+
+    Raises:
+        ValueError: if the model is not built, is not single-output, or
+            `vectors` does not match the trainable variables.
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer="zeros")])
+    >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> v = [np.ones(w.shape, "float32") for w in model.trainable_weights]
+    >>> outputs, jv = kg.curvature.jvp(model, x, v)
+    >>> tuple(outputs.shape), tuple(jv.shape)
+    ((8, 3), (8, 3))
+    """
     fns = _output_functions(model, training)
     vectors = fns.check_vectors(vectors)
     return backend.jvp(lambda p, xx: fns.outputs(p, fns.non_trainable(), xx)[0], fns.params(), vectors, x)
 
 
 def vjp(model, x, cotangent, training=False):
-    """J^T u for the model outputs' Jacobian J and output-shaped `u`."""
+    """J^T u for the model outputs' Jacobian J and output-shaped `u`.
+
+    Args:
+        model: a built single-output ``keras.Model``.
+        x: inputs: a NumPy array or backend tensor (or a list of them for
+            several inputs).
+        cotangent: ``u``, an array shaped like the model's output on `x`.
+        training: run layers in training mode. Defaults to `False`.
+
+    Returns:
+        A list of tensors shaped like the trainable variables.
+
+    Raises:
+        ValueError: if the model is not built or is not single-output.
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer="zeros")])
+    >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> jtu = kg.curvature.vjp(model, x, np.ones((8, 3), "float32"))
+    >>> [tuple(t.shape) for t in jtu]
+    [(4, 3), (3,)]
+    """
     fns = _output_functions(model, training)
     return backend.vjp(lambda p, xx: fns.outputs(p, fns.non_trainable(), xx)[0], fns.params(), ops.convert_to_tensor(cotangent), x)
 

@@ -39,6 +39,22 @@ class ModelFunctions:
             its moving statistics and dropout is off, as curvature needs).
         include_regularization: add the model's regularisation losses to the
             loss (Fisher quantities never include them).
+
+    Raises:
+        ValueError: if the model is not built, or its loss cannot be
+            resolved (see :func:`resolve_loss`).
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer="zeros")])
+    >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> fns = kg.curvature.ModelFunctions(model)
+    >>> value = fns.loss(fns.params(), fns.non_trainable(), x, y)  # a pure function of params
+    >>> round(float(keras.ops.convert_to_numpy(value)), 4), fns.spec.classifier
+    (1.0986, True)
     """
 
     def __init__(self, model, loss=None, training=False, include_regularization=True):
@@ -222,7 +238,33 @@ class ModelFunctions:
 
 
 def model_functions(model, loss=None, training=False, include_regularization=True):
-    """Cached :class:`ModelFunctions`, so compiled kernels survive across calls."""
+    """Cached :class:`ModelFunctions`, so compiled kernels survive across calls.
+
+    Args:
+        model: a built, single-output ``keras.Model``.
+        loss: loss to use instead of the compiled one. Defaults to `None`.
+        training: run layers in training mode. Defaults to `False`.
+        include_regularization: add the regularisation losses. Defaults to
+            `True`.
+
+    Returns:
+        The :class:`ModelFunctions` for these arguments, built on first use
+        and rebuilt when the trainable variables change.
+
+    Raises:
+        ValueError: as :class:`ModelFunctions`.
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer="zeros")])
+    >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> fns = kg.curvature.model_functions(model)
+    >>> fns is kg.curvature.model_functions(model), len(fns.params())
+    (True, 2)
+    """
     loss_obj = loss if loss is not None else getattr(model, "loss", None)
     var_ids = [id(v) for v in model.trainable_variables]
     per_model = _CACHE.setdefault(model, {})

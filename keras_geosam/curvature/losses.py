@@ -26,6 +26,17 @@ class LossSpec:
         classifier: True for a categorical cross-entropy.
         from_logits: whether ``y_pred`` holds logits (else probabilities).
         sparse: whether labels are integer class ids (else one-hot/soft).
+
+    Example:
+
+    >>> spec = kg.curvature.resolve_loss(None, keras.losses.CategoricalCrossentropy())
+    >>> spec.name, spec.classifier, spec.from_logits, spec.sparse
+    ('categorical_crossentropy', True, False, False)
+    >>> log_p = spec.log_probs(np.array([[0.5, 0.25, 0.25]], "float32"))
+    >>> np.round(np.exp(keras.ops.convert_to_numpy(log_p)), 3).tolist()
+    [[0.5, 0.25, 0.25]]
+    >>> kg.curvature.LossSpec("mse", keras.losses.mean_squared_error).classifier
+    False
     """
 
     name: str
@@ -53,7 +64,33 @@ class LossSpec:
 
 
 def resolve_loss(model, loss=None):
-    """The model's compiled loss (or ``loss``) as a :class:`LossSpec`."""
+    """The model's compiled loss (or ``loss``) as a :class:`LossSpec`.
+
+    Args:
+        model: a ``keras.Model``; its compiled loss is used when `loss` is
+            `None`.
+        loss: a loss name, ``keras.losses.Loss`` or function ``fn(y_true,
+            y_pred)``. Defaults to `None`.
+
+    Returns:
+        A :class:`LossSpec`; ``classifier`` is True for a (sparse)
+        categorical cross-entropy, the loss Fisher quantities need.
+
+    Raises:
+        ValueError: if there is no loss (model not compiled with one and
+            none passed), several losses (multi-output), an unknown name,
+            or something that is not a loss.
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> spec = kg.curvature.resolve_loss(model)
+    >>> spec.name, spec.classifier, spec.from_logits, spec.sparse
+    ('sparse_categorical_crossentropy', True, True, True)
+    >>> kg.curvature.resolve_loss(model, "mse").classifier
+    False
+    """
     if loss is None:
         loss = getattr(model, "loss", None)
         if loss is None:

@@ -45,11 +45,37 @@ def lanczos(op, max_iter=100, tol=1e-3, seed=0, max_memory=DEFAULT_MAX_MEMORY, b
     ``tol * |theta|``, when an invariant subspace is found, or after
     `max_iter` iterations.
 
+    Args:
+        op: a symmetric :class:`LinearOperator`.
+        max_iter: the most iterations (operator products). Defaults to
+            `100`.
+        tol: relative tolerance on the Ritz residual. Defaults to `1e-3`.
+        seed: seeds the start vector (the same on every backend). Defaults
+            to `0`.
+        max_memory: bytes the Lanczos basis may hold; above it, plain
+            three-term Lanczos without an eigenvector (module doc).
+            Defaults to 1 GiB.
+        bar: a ``keras.utils.Progbar`` advanced by one per iteration.
+            Defaults to `None`.
+
     Returns:
         An :class:`Estimate`: ``value`` the Ritz value, ``stderr`` the final
         Ritz residual, ``num_samples`` the iterations, ``info`` with
         ``converged``, ``reorthogonalized``, ``basis_bytes`` and
         ``eigenvector`` (a list like the operator's tensors, or None).
+
+    Raises:
+        ValueError: if `max_iter` is not an integer >= 1 or `tol` is not
+            positive.
+
+    Example:
+
+    >>> D = kg.curvature.Diagonal([np.array([1.0, 2.0, 3.0], "float32")])
+    >>> est = kg.estimators.lanczos(D)
+    >>> round(est.value, 4), est.info["converged"]
+    (3.0, True)
+    >>> np.abs(keras.ops.convert_to_numpy(est.info["eigenvector"][0])).round(3).tolist()
+    [0.0, 0.0, 1.0]
     """
     max_iter = check_positive_int("max_iter", max_iter)
     if not tol > 0:

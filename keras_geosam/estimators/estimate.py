@@ -23,6 +23,18 @@ class Estimate:
         info: what else a reader needs to interpret `value`: data size,
             damping, which parts are exact (``info["exact_part"]``,
             ``info["residual"]``), excluded parameters, ...
+
+    ``float(estimate)`` is ``estimate.value``; ``format()`` gives
+    ``"value ± stderr"``, and ``within_noise`` says whether the value is
+    within two standard errors of zero.
+
+    Example:
+
+    >>> est = kg.estimators.Estimate(value=2.5, stderr=0.1, num_samples=10)
+    >>> est
+    Estimate(value=2.5, stderr=0.1, num_samples=10)
+    >>> float(est), est.format(), est.within_noise
+    (2.5, '2.5 ± 0.1', False)
     """
 
     value: float

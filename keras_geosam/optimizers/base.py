@@ -52,13 +52,20 @@ def dot(a, b):
 
 
 class TwoPassOptimizer(keras.optimizers.Optimizer):
-    """Base class: wraps `base_optimizer`; subclasses define the perturbation.
+    """Base class of the two-pass optimizers: wraps a base optimizer.
+
+    Subclasses define ``perturbation(centre_grads, values)`` (the step eps)
+    and may override ``update_state`` and ``descent_gradients`` (module doc).
+    Learning rate, iterations, momentum, weight decay and clipping all
+    belong to the base optimizer. Train with ``kg.Model``,
+    ``kg.Sequential`` or ``kg.attach(model)``.
 
     Args:
         base_optimizer: a ``keras.optimizers.Optimizer`` (or its config /
             identifier) that applies the descent step.
         bn_stats: which pass's BatchNorm moving statistics are kept,
-            ``"centre"`` or ``"perturbed"``; exactly one pass updates them.
+            ``"centre"`` (default) or ``"perturbed"``; exactly one pass
+            updates them.
         dropout: ``"fresh"`` (default) draws a new dropout mask in the
             perturbed pass; ``"same"`` reuses the centre pass's mask. On torch
             a Dropout layer created without a ``seed`` draws from torch's
@@ -70,7 +77,38 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
             with each replica's own gradient ("m-sharpness", m = the
             per-replica batch). Under JAX ``keras.distribution`` gradients
             are already global, so only ``"global"`` is possible there.
-        name: optimizer name.
+        name: optimizer name. Defaults to `None`.
+
+    Raises:
+        ValueError: if `base_optimizer` is not a plain Keras optimizer (a
+            two-pass or loss-scale optimizer is refused), if `bn_stats`,
+            `dropout` or `perturbation` is not one of its values, or if a
+            base-optimizer argument (``weight_decay``, ``clipnorm``, ...) or
+            an unknown keyword is passed.
+        RuntimeError: when built or applied outside a keras_geosam train
+            step (a plain ``keras.Model``); the message names ``kg.attach``.
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = kg.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    >>> class HalfStep(kg.optimizers.TwoPassOptimizer):
+    ...     # Ascends half a gradient step before taking the gradient.
+    ...     def perturbation(self, centre_grads, values):
+    ...         return [0.5 * g for g in centre_grads]
+    >>> model.compile(
+    ...     optimizer=HalfStep(keras.optimizers.SGD(0.1)),
+    ...     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    ... )
+    >>> history = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    >>> int(model.optimizer.iterations)
+    2
+    >>> kg.optimizers.SAM(keras.optimizers.SGD(0.1), weight_decay=1e-4)
+    Traceback (most recent call last):
+    ...
+    ValueError: SAM does not take `weight_decay`: set it on the base optimizer, ...
     """
 
     def __init__(self, base_optimizer, bn_stats="centre", dropout="fresh", perturbation="global", name=None, **kwargs):

@@ -15,7 +15,38 @@ class FisherSAM(TwoPassOptimizer):
         g_p   = grad L(theta + eps)
         theta <- base_optimizer(theta, g_p)          (plain perturbed gradient)
 
-    Args: `rho` (>= 0), `eta` (> 0).
+    Args:
+        base_optimizer: the ``keras.optimizers.Optimizer`` applying the
+            descent step.
+        rho: radius of the perturbation in the Fisher metric (>= 0).
+            Defaults to `0.05`.
+        eta: damping added to the squared gradient (> 0). Defaults to
+            `0.1`.
+        bn_stats, dropout, perturbation: see ``TwoPassOptimizer``.
+        name: defaults to ``"FisherSAM"``.
+
+    Raises:
+        ValueError: if `rho` is negative, `eta` is not positive, either is
+            not a finite number, and for the invalid arguments listed in
+            ``TwoPassOptimizer``.
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = kg.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    >>> model.compile(
+    ...     optimizer=kg.optimizers.FisherSAM(keras.optimizers.SGD(0.1), rho=0.05, eta=0.1),
+    ...     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    ... )
+    >>> history = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    >>> "sharpness_gap" in history.history
+    True
+    >>> kg.optimizers.FisherSAM(keras.optimizers.SGD(0.1), eta=0.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: eta must be finite and > 0.0, got 0.0.
     """
 
     def __init__(self, base_optimizer, rho=0.05, eta=0.1, bn_stats="centre", dropout="fresh", perturbation="global", name="FisherSAM", **kwargs):

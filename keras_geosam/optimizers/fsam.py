@@ -16,8 +16,40 @@ class FSAM(TwoPassOptimizer):
         m     <- momentum * m + (1 - momentum) * g_c     (after use)
         theta <- base_optimizer(theta, g_p)
 
-    ``sigma = 0`` is SAM. Args: `rho` (>= 0), `sigma` (>= 0), `momentum`
-    (EMA factor in [0, 1); 0.9 by default, 0.6 in the ImageNet reference).
+    ``sigma = 0`` is SAM.
+
+    Args:
+        base_optimizer: the ``keras.optimizers.Optimizer`` applying the
+            descent step.
+        rho: radius of the perturbation (>= 0). Defaults to `0.05`.
+        sigma: weight of the removed trend (>= 0). Defaults to `1.0`.
+        momentum: EMA factor of the trend, in [0, 1). Defaults to `0.9`
+            (0.6 in the ImageNet reference).
+        bn_stats, dropout, perturbation: see ``TwoPassOptimizer``.
+        name: defaults to ``"FSAM"``.
+
+    Raises:
+        ValueError: if `rho` or `sigma` is negative, `momentum` is outside
+            [0, 1), any of them is not a finite number, and for the invalid
+            arguments listed in ``TwoPassOptimizer``.
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = kg.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    >>> model.compile(
+    ...     optimizer=kg.optimizers.FSAM(keras.optimizers.SGD(0.1), rho=0.05, sigma=1.0),
+    ...     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    ... )
+    >>> history = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    >>> len(model.optimizer.variables) > len(model.optimizer.base_optimizer.variables)
+    True
+    >>> kg.optimizers.FSAM(keras.optimizers.SGD(0.1), momentum=1.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: momentum must be < 1, got 1.0.
     """
 
     def __init__(self, base_optimizer, rho=0.05, sigma=1.0, momentum=0.9, bn_stats="centre", dropout="fresh", perturbation="global", name="FSAM", **kwargs):

@@ -19,6 +19,47 @@ class LLQR(PreconditionedOptimizer):
     | ``"newton"``). One gradient per step; the model-level step is still
     needed because the refresh evaluates the model. With U = identity (no
     refresh) it is the base optimizer.
+
+    Args:
+        base_optimizer: the ``keras.optimizers.Optimizer`` applying the
+            descent step.
+        structure: U's block structure, ``"diagonal"``, ``"kfac"`` or
+            ``"ekfac"``. Defaults to ``"diagonal"``.
+        divergence: what U is learned against, ``"ngd"`` (the Fisher;
+            needs a cross-entropy loss) or ``"newton"`` (the Hessian).
+            Defaults to ``"ngd"``.
+        refresh_every: refresh U every this many steps, step 0 included.
+            Defaults to `1000`.
+        bn_stats, dropout, perturbation: see ``TwoPassOptimizer``.
+        name: defaults to ``"LLQR"``.
+        **kwargs: U's other options (``refresh_source``, ``refresh_steps``,
+            ``inner_learning_rate``, ``inner_momentum``, ``clip_norm``,
+            ``beta``, ``min_diagonal``, ``coupled_weight_decay``,
+            ``refresh_until``, ``decay_mask``), see
+            ``kg.preconditioner.LearnedPreconditioner``.
+
+    Raises:
+        ValueError: if `structure`, `divergence` or an option of U is
+            invalid (see ``LearnedPreconditioner``), for the invalid
+            arguments listed in ``TwoPassOptimizer``, and at ``compile``
+            when ``divergence="ngd"`` meets a loss that is not a
+            cross-entropy.
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = kg.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    >>> model.compile(
+    ...     optimizer=kg.optimizers.LLQR(
+    ...         keras.optimizers.SGD(0.1), structure="diagonal", refresh_every=2, refresh_steps=5
+    ...     ),
+    ...     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    ... )
+    >>> history = model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    >>> int(model.optimizer.refreshes)  # at steps 0 and 2
+    2
     """
 
     num_passes = 1

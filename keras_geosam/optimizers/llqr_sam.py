@@ -33,10 +33,49 @@ class LLQRSAM(PreconditionedOptimizer):
 
     Args:
         base_optimizer: e.g. ``keras.optimizers.SGD(0.05, momentum=0.9)``.
-        rho: perturbation radius (reference 0.1; 0.075 on ImageNet).
-        norm, ascent, sam_start_step, fsam_sigma, fsam_momentum: see above.
-        structure, divergence, refresh_every and the other keyword arguments
-            of ``keras_geosam.preconditioner.LearnedPreconditioner`` (U).
+        rho: perturbation radius (>= 0). Defaults to `0.1` (the reference;
+            0.075 on ImageNet).
+        norm: ``"euclidean"`` or ``"metric"`` (update rule above). Defaults
+            to ``"euclidean"``.
+        ascent: ``"sam"`` or ``"fsam"``. Defaults to ``"sam"``.
+        sam_start_step: no perturbation before this step. Defaults to `0`.
+        fsam_sigma, fsam_momentum: F-SAM's sigma (>= 0) and EMA factor (in
+            [0, 1)) for ``ascent="fsam"``. Default to `1.0` and `0.9`.
+        structure, divergence, refresh_every: U's structure, divergence and
+            refresh period, as in ``kg.optimizers.LLQR``. Default to
+            ``"diagonal"``, ``"ngd"`` and `1000`.
+        bn_stats: defaults to ``"perturbed"``; with `dropout` and
+            `perturbation`, see ``TwoPassOptimizer``.
+        name: defaults to ``"LLQRSAM"``.
+        **kwargs: U's other options, as in ``kg.optimizers.LLQR``.
+
+    Raises:
+        ValueError: if `rho` or `fsam_sigma` is negative, `fsam_momentum`
+            is outside [0, 1), `norm` or `ascent` is not one of its values,
+            `sam_start_step` is not an integer >= 0, for invalid options of
+            U and the invalid arguments listed in ``TwoPassOptimizer``, and
+            at ``compile`` when ``divergence="ngd"`` meets a loss that is
+            not a cross-entropy.
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = kg.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    >>> model.compile(
+    ...     optimizer=kg.optimizers.LLQRSAM(
+    ...         keras.optimizers.SGD(0.1), rho=0.1, structure="kfac", refresh_every=2, refresh_steps=5
+    ...     ),
+    ...     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    ... )
+    >>> history = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    >>> int(model.optimizer.refreshes), "sharpness_gap" in history.history
+    (1, True)
+    >>> kg.optimizers.LLQRSAM(keras.optimizers.SGD(0.1), norm="fisher")
+    Traceback (most recent call last):
+    ...
+    ValueError: norm must be one of ('euclidean', 'metric'), got 'fisher'.
     """
 
     def __init__(

@@ -20,11 +20,34 @@ class SAM(TwoPassOptimizer):
         theta <- base_optimizer(theta, g_p)          (applied at theta)
 
     Args:
-        base_optimizer: the optimizer applying the descent step.
+        base_optimizer: the ``keras.optimizers.Optimizer`` applying the
+            descent step, e.g. ``keras.optimizers.SGD(0.05, momentum=0.9)``.
         rho: radius of the perturbation (>= 0; 0 gives the base optimizer).
-        adaptive: ASAM's element-wise scaling.
-        eta: ASAM's offset (>= 0).
-        bn_stats, dropout, name: see ``TwoPassOptimizer``.
+            Defaults to `0.05`.
+        adaptive: ASAM's element-wise scaling. Defaults to `False`.
+        eta: ASAM's offset (>= 0). Defaults to `0.01`.
+        bn_stats, dropout, perturbation: see ``TwoPassOptimizer``.
+        name: defaults to ``"SAM"``, or ``"ASAM"`` when `adaptive`.
+
+    Raises:
+        ValueError: if `rho` or `eta` is negative or not a finite number,
+            and for the invalid arguments listed in ``TwoPassOptimizer``.
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = kg.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    >>> model.compile(
+    ...     optimizer=kg.optimizers.SAM(keras.optimizers.SGD(0.1), rho=0.05),
+    ...     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    ... )
+    >>> history = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    >>> model.optimizer.name, model.optimizer.rho
+    ('SAM', 0.05)
+    >>> kg.optimizers.SAM(keras.optimizers.SGD(0.1), adaptive=True).name
+    'ASAM'
     """
 
     def __init__(self, base_optimizer, rho=0.05, adaptive=False, eta=0.01, bn_stats="centre", dropout="fresh", perturbation="global", name=None, **kwargs):

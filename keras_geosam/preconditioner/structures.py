@@ -33,7 +33,29 @@ def is_matrix_kernel(variable):
 
 
 def layout(variables, structure):
-    """``[(block class, shape, split)]``, one entry per variable."""
+    """U's layout: ``[(block class, shape, split)]``, one entry per variable.
+
+    Matrix kernels get the `structure`'s block, every other tensor a
+    :class:`~keras_geosam.curvature.Diagonal` (module doc).
+
+    Args:
+        variables: the trainable variables U acts on.
+        structure: ``"diagonal"``, ``"kfac"`` or ``"ekfac"``.
+
+    Returns:
+        A list of ``(block class, shape, split)`` tuples, ``split`` the
+        axis where the matrix view's columns start (None for diagonals).
+
+    Raises:
+        ValueError: if `structure` is unknown.
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    >>> layout = kg.preconditioner.layout(model.trainable_variables, "kfac")
+    >>> [(cls.__name__, shape, split) for cls, shape, split in layout]
+    [('KFAC', (4, 3), 1), ('Diagonal', (3,), None)]
+    """
     if structure not in STRUCTURES:
         raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}.")
     out = []
@@ -47,21 +69,82 @@ def layout(variables, structure):
 
 
 def param_specs(layout):
-    """``[(block index, name, shape, initializer, positive)]`` in order."""
+    """U's flat parameters: ``[(block index, name, shape, initializer, positive)]``.
+
+    Args:
+        layout: a layout from :func:`layout`.
+
+    Returns:
+        One tuple per parameter tensor, in the order :func:`operator`
+        takes them; ``positive`` marks entries kept >= ``min_diagonal``.
+
+    Raises:
+        ValueError: if a Kronecker entry's shape and split have no matrix
+            view (only for hand-made layouts).
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    >>> layout = kg.preconditioner.layout(model.trainable_variables, "kfac")
+    >>> kg.preconditioner.param_specs(layout)  # doctest: +NORMALIZE_WHITESPACE
+    [(0, 'A', (4, 4), 'identity', False), (0, 'B', (3, 3), 'identity', False),
+     (1, 'd', (3,), 'ones', True)]
+    """
     return [(i, *spec) for i, (cls, shape, split) in enumerate(layout) for spec in cls.param_specs(shape, split)]
 
 
 def operator(layout, params):
-    """U as a :class:`BlockDiagonal` operator built from its parameters."""
+    """U as a :class:`BlockDiagonal` operator built from its parameters.
+
+    Args:
+        layout: a layout from :func:`layout`.
+        params: tensors in the order of :func:`param_specs`.
+
+    Returns:
+        A :class:`~keras_geosam.curvature.BlockDiagonal` operator.
+
+    Raises:
+        ValueError: if `params` does not hold one tensor per parameter of
+            the layout, or a Kronecker factor has the wrong shape.
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    >>> layout = kg.preconditioner.layout(model.trainable_variables, "kfac")
+    >>> params = [np.eye(4, dtype="float32"), np.eye(3, dtype="float32"), np.ones(3, "float32")]
+    >>> U = kg.preconditioner.operator(layout, params)  # the initial U: the identity
+    >>> U.dim, np.allclose(U.to_dense(), np.eye(15))
+    (15, True)
+    """
     return BlockDiagonal.from_params(layout, params)
 
 
 def clip_groups(layout, variables, structure):
-    """Parameter indices clipped together in a refresh, as the reference
-    groups them: for a diagonal U one group per layer (all of a layer's
-    tensors, e.g. kernel and bias); otherwise one group per parameter
-    tensor (K-FAC's A and B, EK-FAC's Q_A, Q_G and s, each diagonal block
-    alone)."""
+    """Parameter indices clipped together in a refresh, as the reference groups them.
+
+    For a diagonal U one group per layer (all of a layer's tensors, e.g.
+    kernel and bias); otherwise one group per parameter tensor (K-FAC's A
+    and B, EK-FAC's Q_A, Q_G and s, each diagonal block alone).
+
+    Args:
+        layout: a layout from :func:`layout`.
+        variables: the variables the layout was made from.
+        structure: the layout's structure.
+
+    Returns:
+        A list of lists of parameter indices (positions in
+        :func:`param_specs`).
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    >>> variables = model.trainable_variables
+    >>> for structure in ("diagonal", "kfac"):
+    ...     layout = kg.preconditioner.layout(variables, structure)
+    ...     print(structure, kg.preconditioner.clip_groups(layout, variables, structure))
+    diagonal [[0, 1]]
+    kfac [[0], [1], [2]]
+    """
     groups, index = {}, 0
     for (cls, shape, split), v in zip(layout, variables):
         for _ in cls.param_specs(shape, split):

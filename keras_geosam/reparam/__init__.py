@@ -81,6 +81,25 @@ def rescale(model, layer, alpha, next_layer=None):
             is not positively homogeneous, alpha is not positive (non-zero
             for linear paths), or the consumer cannot be determined uniquely.
             Nothing is modified when it raises.
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = keras.Sequential([
+    ...     keras.Input((4,)),
+    ...     keras.layers.Dense(5, activation="relu", name="hidden"),
+    ...     keras.layers.Dense(3),
+    ... ])
+    >>> before = model.predict(x, verbose=0)
+    >>> model = kg.reparam.rescale(model, "hidden", 10.0)
+    >>> np.allclose(model.predict(x, verbose=0), before, atol=1e-5)  # the same function
+    True
+    >>> kg.reparam.rescale(model, "hidden", -1.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: alpha must be > 0 across ReLU-type activations or max pooling; ...
     """
     if isinstance(layer, str):
         layer = model.get_layer(layer)

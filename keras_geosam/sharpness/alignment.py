@@ -28,16 +28,35 @@ from keras_geosam.sharpness.fisher import fisher_diagonal
 class Alignment:
     """Result of :func:`gradient_noise_alignment`.
 
-    cosine: cosine between diag Cov[g_B] and diag F (inflated towards 1 for
-        any two non-negative vectors: read it with the next two).
-    rank_correlation: Spearman correlation of the two diagonals.
-    log_cosine: cosine between the centred log-diagonals (entries where both
-        are > 0).
-    alpha: least-squares factor in diag Cov[g_B] ~ alpha diag F.
-    alpha_per_example: the same against the per-example gradient variance
-        diag C; sampling theory predicts ``finite_population``.
-    inv_batch_size, lr_over_batch, finite_population: 1/B, eta/B (None
-        without a learning rate) and (1/B)(N-B)/(N-1).
+    Attributes:
+        cosine: cosine between diag Cov[g_B] and diag F (inflated towards 1
+            for any two non-negative vectors: read it with the next two).
+        rank_correlation: Spearman correlation of the two diagonals.
+        log_cosine: cosine between the centred log-diagonals (entries where
+            both are > 0).
+        alpha: least-squares factor in diag Cov[g_B] ~ alpha diag F.
+        alpha_per_example: the same against the per-example gradient
+            variance diag C; sampling theory predicts ``finite_population``.
+        inv_batch_size, lr_over_batch, finite_population: 1/B, eta/B (None
+            without a learning rate) and (1/B)(N-B)/(N-1).
+        batch_size, num_batches, num_examples: B, the minibatches drawn and
+            N.
+        fisher: the Fisher kind compared with.
+        noise_variance, fisher_diagonal: the two diagonals, flat float64
+            NumPy arrays.
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer="zeros")])
+    >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> a = kg.sharpness.gradient_noise_alignment(model, x, y, batch_size=4, num_batches=4)
+    >>> a.batch_size, a.num_examples, a.inv_batch_size, round(a.finite_population, 4)
+    (4, 8, 0.25, 0.1429)
+    >>> a.noise_variance.shape == a.fisher_diagonal.shape == (15,)
+    True
     """
 
     cosine: float
@@ -69,8 +88,48 @@ def gradient_noise_alignment(
     Draws `num_batches` minibatches of `batch_size` examples without
     replacement from ``(x, y)``, measures the variance of their gradients
     around the full-data gradient, and compares it with the Fisher diagonal
-    of kind `fisher` on the same data. `learning_rate` defaults to the
-    compiled optimizer's (if any) for the ``eta/B`` column.
+    of kind `fisher` on the same data. Sampling theory predicts ``alpha``
+    near ``(1/B)(N-B)/(N-1)`` for a calibrated model (module doc).
+
+    Args:
+        model: a built classifier compiled with a categorical cross-entropy
+            (on logits or softmax outputs).
+        x, y: the data minibatches are drawn from.
+        batch_size: B, smaller than the number of examples.
+        num_batches: minibatches drawn. Defaults to `64`.
+        fisher: Fisher kind, ``"exact"``, ``"mc"`` or ``"empirical"``.
+            Defaults to ``"exact"``.
+        learning_rate: eta for the ``eta/B`` column. Defaults to `None`
+            (the compiled optimizer's, if any).
+        num_samples: labels per example for ``fisher="mc"``. Defaults to
+            `1`.
+        seed: seeds the minibatch draw and sampled labels. Defaults to `0`.
+        eval_batch_size: examples per streamed batch for the full-data
+            quantities. Defaults to `256`.
+        loss: loss to use instead of the compiled one. Defaults to `None`.
+        verbose: 1 shows a progress bar over the minibatches. Defaults to
+            `0`.
+
+    Returns:
+        An :class:`Alignment`.
+
+    Raises:
+        ValueError: if `batch_size` or `num_batches` is not an integer >= 1,
+            `batch_size` is not smaller than the data, `fisher` is unknown,
+            the loss is not a categorical cross-entropy, the model is not
+            built, or the data is invalid (lengths differ, non-finite
+            inputs, labels that are not class ids of the model).
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer="zeros")])
+    >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> a = kg.sharpness.gradient_noise_alignment(model, x, y, batch_size=4, num_batches=8)
+    >>> 0 < a.cosine <= 1, round(a.finite_population, 4)
+    (True, 0.1429)
     """
     check_data(x, y)
     check_labels(model_functions(model, loss), x, y)

@@ -30,6 +30,38 @@ def hessian_max_eigenvalue(model, x, y, max_iter=100, tol=1e-3, seed=0, batch_si
     iteration count; ``info["eigenvector"]`` the Ritz vector as a list like
     the variables (None when the basis exceeded `max_memory` bytes, see
     ``keras_geosam.estimators.eigen``).
+
+    Args:
+        model: a built single-output ``keras.Model`` with a loss.
+        x, y: data (streamed in `batch_size` pieces).
+        max_iter: the most Lanczos iterations. Defaults to `100`.
+        tol: relative tolerance on the Ritz residual. Defaults to `1e-3`.
+        seed: seeds the start vector. Defaults to `0`.
+        batch_size: examples per streamed batch. Defaults to `256`.
+        loss: loss to use instead of the compiled one. Defaults to `None`.
+        max_memory: bytes the Lanczos basis may hold. Defaults to 1 GiB.
+        verbose: 1 shows a progress bar. Defaults to `0`.
+
+    Returns:
+        An :class:`Estimate` (``info["converged"]`` says whether `tol` was
+        reached).
+
+    Raises:
+        ValueError: if `max_iter` is not an integer >= 1, `tol` is not
+            positive, the model has no loss, the model is not built, or the
+            data is invalid (lengths differ, non-finite inputs, labels that
+            are not class ids of the model).
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer="zeros")])
+    >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> est = kg.sharpness.hessian_max_eigenvalue(model, x, y)
+    >>> round(est.value, 4), est.info["converged"]
+    (0.5414, True)
     """
     max_iter = _common.check_positive_int("max_iter", max_iter)
     model_functions(model, loss, training=False)  # refuses an unbuilt model
@@ -46,6 +78,42 @@ def riemannian_max_eigenvalue(model, x, y, metric="diagonal", fisher="exact", da
     or ``"kfac"``, relative `damping`, default 1e-3). Like S_R, it is
     unchanged when one layer's parameters are rescaled, while the Euclidean
     lambda_max is not. Result as :func:`hessian_max_eigenvalue`.
+
+    Args:
+        model: a built classifier compiled with a categorical cross-entropy
+            (on logits or softmax outputs).
+        x, y: data (streamed in `batch_size` pieces).
+        metric: ``"diagonal"`` or ``"kfac"``. Defaults to ``"diagonal"``.
+        fisher: Fisher kind behind M, ``"exact"``, ``"mc"`` or
+            ``"empirical"``. Defaults to ``"exact"``.
+        damping: relative damping of each block of M (>= 0). Defaults to
+            `None` (1e-3).
+        max_iter, tol, seed, batch_size, loss, max_memory, verbose: as for
+            :func:`hessian_max_eigenvalue`.
+        num_samples: labels per example for ``fisher="mc"``. Defaults to
+            `1`.
+
+    Returns:
+        An :class:`Estimate`; ``info`` also holds the metric, the Fisher
+        kind and the damping.
+
+    Raises:
+        ValueError: if `max_iter` is not an integer >= 1, `tol` is not
+            positive, `damping` is negative, `metric` or `fisher` is
+            unknown, the loss is not a categorical cross-entropy, the model
+            is not built, or the data is invalid (lengths differ, non-finite
+            inputs, labels that are not class ids of the model).
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer="zeros")])
+    >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> est = kg.sharpness.riemannian_max_eigenvalue(model, x, y, metric="diagonal")
+    >>> round(est.value, 3), est.info["metric"]
+    (2.859, 'diagonal')
     """
     max_iter = _common.check_positive_int("max_iter", max_iter)
     fns = model_functions(model, loss, training=False)

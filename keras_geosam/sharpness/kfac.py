@@ -25,8 +25,31 @@ from keras_geosam.sharpness import _common
 def kfac_factors(model, x, y=None, kind="exact", num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None):
     """K-FAC factors ``{kernel path: (A, S)}`` (float64 NumPy) of the Fisher.
 
-    Args mirror :func:`fisher_diagonal`. Variables not in the result (biases,
-    other layers) get diagonal blocks in ``GGN(...).kfac()``.
+    Variables not in the result (biases, other layers) get diagonal blocks
+    in ``GGN(...).kfac()``.
+
+    Args:
+        model, x, y, kind, num_samples, seed, batch_size, loss: as for
+            :func:`fisher_diagonal`.
+
+    Returns:
+        A dict from each covered kernel's variable path to ``(A, S)``:
+        ``(m, m)`` and ``(n, n)`` float64 NumPy arrays for the kernel's
+        ``(m, n)`` matrix view.
+
+    Raises:
+        ValueError: for the reasons :func:`fisher_diagonal` gives.
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer="zeros")])
+    >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> factors = kg.sharpness.kfac_factors(model, x)
+    >>> [(path.split("/")[-1], A.shape, S.shape) for path, (A, S) in factors.items()]
+    [('kernel', (4, 4), (3, 3))]
     """
     op = GGN(model, x, y, kind=kind, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size)
     out = {}

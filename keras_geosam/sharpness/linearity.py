@@ -90,14 +90,53 @@ def _check(model, allow_batchnorm, is_last=True):
 
 
 def is_piecewise_linear(model):
-    """True when every layer is piecewise linear in each single parameter:
-    ReLU/LeakyReLU/linear activations, no normalisation or other
-    nonlinearity (softmax as the last layer belongs to the loss)."""
+    """Whether every layer is piecewise linear in each single parameter.
+
+    True for ReLU/LeakyReLU/linear activations with no normalisation or
+    other nonlinearity (softmax as the last layer belongs to the loss).
+    Conservative: anything unknown gives False.
+
+    Args:
+        model: a Sequential or functional ``keras.Model`` (subclassed
+            models give False).
+
+    Returns:
+        A bool.
+
+    Example:
+
+    >>> relu = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="relu"),
+    ...                          keras.layers.Dense(3)])
+    >>> tanh = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"),
+    ...                          keras.layers.Dense(3)])
+    >>> kg.sharpness.is_piecewise_linear(relu), kg.sharpness.is_piecewise_linear(tanh)
+    (True, False)
+    """
     return _check(model, allow_batchnorm=False)
 
 
 def is_layerwise_linear(model, training=False):
-    """True when every per-layer diagonal block of the Hessian equals the
-    GGN's (module doc): piecewise-linear networks, BatchNormalization
-    allowed in inference mode."""
+    """Whether every per-layer diagonal block of the Hessian equals the GGN's.
+
+    True for piecewise-linear networks, BatchNormalization allowed in
+    inference mode (module doc); then the residual ``tr(M^-1 (H - GGN))``
+    is exactly zero for per-layer block-diagonal metrics.
+
+    Args:
+        model: a Sequential or functional ``keras.Model``.
+        training: whether curvature is taken in training mode (then
+            BatchNormalization is not linear). Defaults to `False`.
+
+    Returns:
+        A bool.
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="relu"),
+    ...                           keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+    >>> kg.sharpness.is_piecewise_linear(model), kg.sharpness.is_layerwise_linear(model)
+    (False, True)
+    >>> kg.sharpness.is_layerwise_linear(model, training=True)
+    False
+    """
     return _check(model, allow_batchnorm=not training)

@@ -24,7 +24,40 @@ STRUCTURES = ("diagonal", "kfac")
 
 
 def fisher_metric(model, x, y=None, structure="diagonal", fisher="exact", num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None):
-    """The Fisher metric of kind `fisher` with the given block `structure`."""
+    """The Fisher metric of kind `fisher` with the given block `structure`.
+
+    Args:
+        model, x, y, num_samples, seed, batch_size, loss: as for
+            :func:`fisher_diagonal`.
+        structure: ``"diagonal"`` or ``"kfac"`` (K-FAC blocks on
+            Dense/Conv/EinsumDense kernels, diagonal blocks elsewhere).
+            Defaults to ``"diagonal"``.
+        fisher: the Fisher kind, ``"exact"``, ``"mc"`` or ``"empirical"``.
+            Defaults to ``"exact"``.
+
+    Returns:
+        A :class:`~keras_geosam.curvature.BlockDiagonal` operator with one
+        block per trainable variable; invert it with
+        ``inverse(damping, relative=True)`` (module doc).
+
+    Raises:
+        ValueError: if `structure` is unknown, or for the reasons
+            :func:`fisher_diagonal` gives.
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer="zeros")])
+    >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> M = kg.sharpness.fisher_metric(model, x, structure="kfac")
+    >>> [type(block).__name__ for block in M.blocks]
+    ['KFAC', 'Diagonal']
+    >>> M_inv = M.inverse(1e-3, relative=True)
+    >>> [type(block).__name__ for block in M_inv.blocks]
+    ['EKFAC', 'Diagonal']
+    """
     if structure not in STRUCTURES:
         raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}.")
     G = GGN(model, x, y, kind=fisher, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size)

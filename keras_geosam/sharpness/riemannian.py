@@ -93,11 +93,36 @@ def riemannian_sharpness(
             eigenvalue (default: 0 for diagonal blocks; dimension times the
             dtype's epsilon for Kronecker blocks; for ``"exact"`` ten machine
             epsilons of the model's dtype).
+        loss: loss to use instead of the compiled one. Defaults to `None`.
+        verbose: 1 shows a progress bar over the probes. Defaults to `0`.
 
     Returns:
         An :class:`Estimate`; ``info`` holds the metric, damping, excluded
         parameters and which parts were exact (``exact_part``, ``residual``,
         ``residual_exact``).
+
+    Raises:
+        ValueError: if `metric` or `estimator` is unknown, `num_probes` or
+            `max_probes` is not an integer >= 1, `rtol` is not positive,
+            `damping` is negative, the loss is not a categorical
+            cross-entropy, ``metric="exact"`` exceeds `max_params`, the
+            model is not built, or the data is invalid (lengths differ,
+            non-finite inputs, labels that are not class ids of the model).
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer="zeros")])
+    >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    >>> est = kg.sharpness.riemannian_sharpness(model, x, y, metric="diagonal")
+    >>> est
+    Estimate(value=14.9838, stderr=0, num_samples=0, nonzero_fisher=15/15)
+    >>> round(est.info["normalized"], 3)  # ~1 per parameter: the piecewise-linear caveat
+    0.999
+    >>> round(float(kg.sharpness.riemannian_sharpness(model, x, y, metric="kfac")), 3)
+    10.985
     """
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}.")

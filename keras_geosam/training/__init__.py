@@ -102,8 +102,42 @@ class TwoPassStepMixin:
 
 @keras.saving.register_keras_serializable(package="keras_geosam")
 class Model(TwoPassStepMixin, keras.Model):
-    """``keras.Model`` with the two-pass step: ``kg.Model(inputs, outputs)``
-    or ``class Net(kg.Model)``."""
+    """A ``keras.Model`` with the exact two-pass train step of the SAM family.
+
+    Use it as ``keras.Model``: functionally, ``kg.Model(inputs, outputs)``,
+    or as a base class, ``class Net(kg.Model)``. Compiled with a two-pass
+    optimizer (``kg.optimizers.SAM``, ``FSAM``, ``FisherSAM``, ``LLQR``,
+    ``LLQRSAM``), every step takes both gradients on the same batch (LLQR
+    takes one, and refreshes U from the model) and the SAM variants add the
+    ``sharpness_gap``, ``grad_norm`` and ``grad_cosine`` metrics to the
+    logs; with any other optimizer it trains exactly as ``keras.Model``.
+
+    Args:
+        *args, **kwargs: the arguments of ``keras.Model``: ``inputs``,
+            ``outputs`` and ``name`` for a functional model, or the
+            subclass's own arguments.
+
+    Raises:
+        ValueError: from ``compile``, when the two-pass optimizer instance
+            is already compiled into another model, or cannot train this
+            one (e.g. LLQR's default ``divergence="ngd"`` without a
+            cross-entropy loss).
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> inputs = keras.Input((4,))
+    >>> model = kg.Model(inputs, keras.layers.Dense(3)(inputs))
+    >>> model.compile(
+    ...     optimizer=kg.optimizers.SAM(keras.optimizers.SGD(0.1), rho=0.05),
+    ...     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    ... )
+    >>> history = model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+    >>> len(history.history["loss"]), "sharpness_gap" in history.history
+    (2, True)
+    """
 
     def __new__(cls, *args, **kwargs):
         # keras.Model(inputs, outputs) rebases the class onto Functional in
@@ -122,19 +156,79 @@ class FunctionalModel(Model, Functional):
 
 @keras.saving.register_keras_serializable(package="keras_geosam")
 class Sequential(TwoPassStepMixin, keras.Sequential):
-    """``keras.Sequential`` with the two-pass step."""
+    """A ``keras.Sequential`` with the exact two-pass train step.
+
+    Behaves as ``keras.Sequential``; compiled with a two-pass optimizer,
+    each step takes both gradients on the same batch (see ``kg.Model``).
+
+    Args:
+        layers: list of layers to add to the model. Defaults to `None`.
+        trainable: whether the model's variables are trainable. Defaults
+            to `True`.
+        name: name of the model. Defaults to `None`.
+
+    Raises:
+        ValueError: from ``compile``, as for ``kg.Model``.
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = kg.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    >>> model.compile(
+    ...     optimizer=kg.optimizers.SAM(keras.optimizers.SGD(0.1)),
+    ...     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    ... )
+    >>> history = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    >>> isinstance(model, keras.Sequential), "grad_cosine" in history.history
+    (True, True)
+    """
 
 
 def attach(model):
-    """Gives an existing ``keras.Model`` (functional, subclassed, keras-cv or
-    keras-hub) the two-pass step, in place; returns the model.
+    """Gives an existing ``keras.Model`` the two-pass train step, in place.
 
-    Works before or after ``compile``. The instance's ``train_step`` and
-    ``compile`` are overridden; the class is untouched. Saved to ``.keras``
-    with a two-pass optimizer, the model comes back attached, with all
-    optimizer state, from ``keras.models.load_model`` once keras_geosam is
-    imported (see ``_compile_from_config``); without keras_geosam the load
-    fails on the optimizer's registered name, ``keras_geosam>...``.
+    For models built elsewhere (functional, subclassed, keras-cv or
+    keras-hub). Works before or after ``compile``. The instance's
+    ``train_step`` and ``compile`` are overridden; the class is untouched.
+    Saved to ``.keras`` with a two-pass optimizer, the model comes back
+    attached, with all optimizer state, from ``keras.models.load_model``
+    once keras_geosam is imported (see ``_compile_from_config``); without
+    keras_geosam the load fails on the optimizer's registered name,
+    ``keras_geosam>...``. A plain model compiled with a two-pass optimizer
+    raises a ``RuntimeError`` naming ``kg.attach`` at its first step, before
+    any weight changes.
+
+    Args:
+        model: a ``keras.Model``. Attaching twice is harmless.
+
+    Returns:
+        The same model object.
+
+    Raises:
+        TypeError: if `model` is not a ``keras.Model``.
+        ValueError: from ``compile`` (here if `model` is already compiled),
+            as for ``kg.Model``.
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    >>> model.compile(
+    ...     optimizer=kg.optimizers.SAM(keras.optimizers.SGD(0.1)),
+    ...     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    ... )
+    >>> model.fit(x, y, verbose=0)
+    Traceback (most recent call last):
+    ...
+    RuntimeError: SAM is a two-pass optimizer: ...kg.attach(model)...
+    >>> model = kg.attach(model)
+    >>> history = model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    >>> "sharpness_gap" in history.history
+    True
     """
     if isinstance(model, TwoPassStepMixin) or getattr(model, "_geosam_attached", False):
         return model

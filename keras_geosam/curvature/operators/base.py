@@ -19,6 +19,33 @@ class LinearOperator:
 
     Subclasses implement ``matmat(vectors)``: ``vectors`` is a list of
     tensors of shapes ``(k,) + shape``; the result has the same shapes.
+    Operators compose with ``@``, ``+``, ``-`` and scalars; ``matvec``,
+    ``trace``, ``to_dense`` and the estimators in ``kg.estimators`` then
+    work on any of them.
+
+    Args:
+        shapes: the shape of each tensor of a vector.
+        dtype: the dtype vectors are computed in.
+
+    Raises:
+        NotImplementedError: from ``matmat``, ``diagonal``, ``inverse`` or
+            ``inverse_sqrt`` where a subclass does not provide them.
+        ValueError: when vectors do not match `shapes`, operators on
+            different spaces are combined, or ``to_dense`` exceeds its
+            ``max_dim``.
+
+    Example:
+
+    >>> class Twice(kg.curvature.LinearOperator):
+    ...     def matmat(self, vectors):
+    ...         return [2.0 * v for v in self.check(vectors)]
+    >>> op = Twice([(2,), (1,)], "float32")
+    >>> op.dim
+    3
+    >>> np.round((op @ op + op).to_dense(), 3).diagonal().tolist()
+    [6.0, 6.0, 6.0]
+    >>> kg.estimators.hutchinson(op, num_probes=4).value
+    6.0
     """
 
     def __init__(self, shapes, dtype):

@@ -71,7 +71,27 @@ class _Spectral:
 
 
 class Diagonal(_Spectral, LinearOperator):
-    """``diag(values)``: element-wise products with a list of tensors."""
+    """``diag(values)``: element-wise products with a list of tensors.
+
+    Its ``inverse`` and ``inverse_sqrt`` are pseudo-inverses: zero entries
+    stay zero (module doc).
+
+    Args:
+        values: a list of arrays or tensors, the diagonal, one per tensor
+            of a vector.
+
+    Raises:
+        ValueError: when applied to vectors that do not match the shapes
+            of `values`.
+
+    Example:
+
+    >>> D = kg.curvature.Diagonal([np.array([1.0, 4.0], "float32"), np.array([0.0], "float32")])
+    >>> D.dim, float(D.trace())
+    (3, 5.0)
+    >>> [keras.ops.convert_to_numpy(t).tolist() for t in D.inverse_sqrt().diagonal()]
+    [[1.0, 0.5], [0.0]]
+    """
 
     def __init__(self, values):
         values = [ops.convert_to_tensor(v) for v in values]
@@ -114,7 +134,31 @@ class KFAC(_Spectral, LinearOperator):
 
     As a Fisher block, ``A`` is the second moment of the layer's inputs and
     ``B`` that of the gradients of its outputs; as LLQR's U, ``A`` and ``B``
-    are learned and need not be symmetric.
+    are learned and need not be symmetric. ``inverse`` and
+    ``inverse_sqrt`` return an orthogonal :class:`EKFAC`.
+
+    Args:
+        A: ``(m, m)`` factor acting on the rows of the matrix view.
+        B: ``(n, n)`` factor acting on its columns.
+        shape: the tensor's shape.
+        split: the tensor's axes before `split` make the rows (``m`` is
+            their product). Defaults to `None` (the last axis is the
+            columns).
+
+    Raises:
+        ValueError: if `shape` has fewer than two axes, `split` is not
+            inside it, or `A` and `B` do not fit the matrix view.
+
+    Example:
+
+    >>> A = np.array([[2.0, 1.0], [1.0, 2.0]], "float32")
+    >>> B = np.diag([1.0, 2.0, 3.0]).astype("float32")
+    >>> K = kg.curvature.KFAC(A, B, shape=(2, 3))
+    >>> np.allclose(K.to_dense(), np.kron(A, B)), float(K.trace())
+    (True, 24.0)
+    >>> K_inv = K.inverse()
+    >>> type(K_inv).__name__, np.allclose(K_inv.to_dense(), np.linalg.inv(np.kron(A, B)), atol=1e-5)
+    ('EKFAC', True)
     """
 
     def __init__(self, A, B, shape, split=None):
@@ -174,10 +218,38 @@ class KFAC(_Spectral, LinearOperator):
 
 
 class EKFAC(_Spectral, LinearOperator):
-    """``X -> Q_A (s * (Q_A^T X Q_G)) Q_G^T`` on one tensor (see module doc):
-    eigenvalue-corrected K-FAC. With orthogonal ``Q_A``, ``Q_G`` (as from
-    ``KFAC.inverse``) ``s`` holds the eigenvalues and the inverse is exact;
-    LLQR learns ``Q_A``, ``Q_G`` freely, which has no structured inverse."""
+    """Eigenvalue-corrected K-FAC: ``X -> Q_A (s * (Q_A^T X Q_G)) Q_G^T``.
+
+    Acts on one tensor (see module doc). With orthogonal ``Q_A``, ``Q_G``
+    (as from ``KFAC.inverse``) ``s`` holds the eigenvalues and the inverse
+    is exact; LLQR learns ``Q_A``, ``Q_G`` freely, which has no structured
+    inverse.
+
+    Args:
+        QA: ``(m, m)`` basis of the rows of the matrix view.
+        QG: ``(n, n)`` basis of its columns.
+        s: the ``m * n`` scales, reshaped to ``(m, n)``.
+        shape: the tensor's shape.
+        split: as for :class:`KFAC`. Defaults to `None`.
+        orthogonal: whether `QA` and `QG` are orthogonal (enables
+            ``inverse`` and the exact ``trace``). Defaults to `False`.
+
+    Raises:
+        ValueError: if `shape` has fewer than two axes or `split` is not
+            inside it.
+        NotImplementedError: from ``inverse`` / ``inverse_sqrt`` when not
+            `orthogonal`.
+
+    Example:
+
+    >>> QA = np.array([[0.6, -0.8], [0.8, 0.6]], "float32")
+    >>> s = np.arange(1, 7, dtype="float32").reshape(2, 3)
+    >>> E = kg.curvature.EKFAC(QA, np.eye(3, dtype="float32"), s, shape=(2, 3), orthogonal=True)
+    >>> np.round(np.linalg.eigvalsh(E.to_dense()), 3).tolist()
+    [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    >>> float(E.trace())
+    21.0
+    """
 
     def __init__(self, QA, QG, s, shape, split=None, orthogonal=False):
         shape = tuple(int(d) for d in shape)
@@ -230,7 +302,25 @@ class BlockDiagonal(LinearOperator):
     """Blocks acting on consecutive tensors of the list, nothing across them.
 
     `damping` in ``inverse`` / ``inverse_sqrt`` is one number for every block
-    or a list with one per block.
+    or a list with one per block. Fisher metrics (``kg.sharpness.
+    fisher_metric``) and LLQR's U have this form.
+
+    Args:
+        blocks: a non-empty list of operators; each acts on the next
+            ``len(block.shapes)`` tensors of a vector.
+
+    Raises:
+        ValueError: if `blocks` is empty, or a list of dampings does not
+            have one entry per block.
+
+    Example:
+
+    >>> K = kg.curvature.KFAC(np.eye(2, dtype="float32"), np.eye(3, dtype="float32"), shape=(2, 3))
+    >>> M = kg.curvature.BlockDiagonal([K, kg.curvature.Diagonal([np.full(3, 2.0, "float32")])])
+    >>> M.shapes, float(M.trace())
+    ([(2, 3), (3,)], 12.0)
+    >>> [type(b).__name__ for b in M.inverse(damping=[0.0, 0.5]).blocks]
+    ['EKFAC', 'Diagonal']
     """
 
     def __init__(self, blocks):
@@ -293,7 +383,24 @@ class BlockDiagonal(LinearOperator):
 
 
 class Dense(_Spectral, LinearOperator):
-    """An explicit symmetric ``dim x dim`` matrix (small problems, references)."""
+    """An explicit symmetric ``dim x dim`` matrix (small problems, references).
+
+    Args:
+        matrix: the ``(dim, dim)`` matrix, coordinates in the order of the
+            flattened list of tensors.
+        shapes: the shape of each tensor of a vector.
+
+    Raises:
+        ValueError: if `matrix` is not ``dim x dim`` for the `shapes`.
+
+    Example:
+
+    >>> D = kg.curvature.Dense(np.array([[2.0, 1.0], [1.0, 2.0]], "float32"), [(2,)])
+    >>> np.round(D.inverse().to_dense(), 3).tolist()
+    [[0.667, -0.333], [-0.333, 0.667]]
+    >>> keras.ops.convert_to_numpy(D.matvec([np.array([1.0, 0.0], "float32")])[0]).tolist()
+    [2.0, 1.0]
+    """
 
     def __init__(self, matrix, shapes):
         matrix = ops.convert_to_tensor(matrix)
