@@ -281,3 +281,67 @@ def test_logs_none_is_tolerated():
     logger = SharpnessLogger(x, y, metrics="hessian_trace", num_probes=2)
     logger.set_model(_model())
     logger.on_epoch_end(0, None)  # nothing to write into, nothing raised
+
+
+# ------------------------------------------------------ RefreshMonitor ----
+def _llqr_model(attach, **opt_kwargs):
+    import keras
+
+    import keras_geosam as kg
+
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)]
+    model = kg.attach(keras.Sequential(layers)) if attach else kg.Sequential(layers)
+    base = keras.optimizers.SGD(0.1, gradient_accumulation_steps=opt_kwargs.pop("accumulate", None))
+    model.compile(optimizer=kg.optimizers.LLQRSAM(base, **opt_kwargs),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("attach", [False, True])
+def test_refresh_monitor_logs_count_and_time(attach):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(40, 4)).astype("float32"), rng.integers(0, 3, size=40)
+    model = _llqr_model(attach, refresh_every=3)
+    h = model.fit(x, y, batch_size=8, epochs=3, verbose=0, validation_data=(x, y))
+    # 5 steps per epoch: refreshes at steps 0, 3, 6, 9, 12
+    assert h.history["refreshes"] == [2.0, 4.0, 5.0]
+    seconds = h.history["refresh_seconds"]
+    assert all(b >= a >= 0 for a, b in zip(seconds, seconds[1:]))  # values are timings: not tested
+    assert not any(k.startswith("val_refresh") for k in h.history)
+    assert len(model.evaluate(x, y, verbose=0, return_dict=True)) == 1  # loss only
+
+
+def test_refresh_monitor_follows_accumulation_and_a_second_fit():
+    import numpy as np
+
+    from keras_geosam.callbacks import RefreshMonitor
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(48, 4)).astype("float32"), rng.integers(0, 3, size=48)
+    model = _llqr_model(False, refresh_every=2, accumulate=3)
+    mine = RefreshMonitor(prefix="u_")
+    h = model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[mine])
+    # 12 micro-batches = 4 optimizer steps: refreshes at steps 0 and 2
+    assert h.history["u_refreshes"] == [2.0] and "refreshes" not in h.history
+    assert mine.due_steps == 2
+    h = model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[mine])
+    assert h.history["u_refreshes"] == [4.0] and mine.due_steps == 2  # steps 4 and 6
+
+
+def test_refresh_monitor_is_silent_without_u():
+    import keras
+    import numpy as np
+
+    import keras_geosam as kg
+
+    model = kg.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer=kg.optimizers.SAM(keras.optimizers.SGD(0.1)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    h = model.fit(np.zeros((8, 4), "float32"), np.zeros(8, "int32"), verbose=0,
+                  callbacks=[kg.callbacks.RefreshMonitor()])
+    assert "refreshes" not in h.history
+    with pytest.raises(ValueError, match="prefix"):
+        kg.callbacks.RefreshMonitor(prefix=1)

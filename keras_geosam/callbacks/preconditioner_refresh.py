@@ -17,6 +17,35 @@ class PreconditionerRefresh(keras.callbacks.Callback):
     current weights and writes U, which step t then uses (as with the
     in-step refresh). Needs ``steps_per_execution=1``: Keras calls batch
     callbacks once per execution, so due steps inside one would be missed.
+
+    Args:
+        x, y: the data preconditioner batches are drawn from (arrays of
+            equal length).
+        batch_size: examples per refresh batch (at most the data size).
+            Defaults to `128`.
+        seed: seeds the reshuffling. Defaults to `0`.
+
+    Raises:
+        ValueError: if `x` and `y` differ in length or `batch_size` is not
+            an integer >= 1; at the start of training, if the optimizer is
+            not an LLQR/LLQRSAM with ``refresh_source="callback"`` or
+            ``steps_per_execution`` is above 1.
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.normal(size=(8, 4)).astype("float32")
+    >>> y = rng.integers(0, 3, size=8)
+    >>> model = kg.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    >>> model.compile(
+    ...     optimizer=kg.optimizers.LLQR(keras.optimizers.SGD(0.1), refresh_every=2,
+    ...                                  refresh_steps=5, refresh_source="callback"),
+    ...     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    ... )
+    >>> refresher = kg.callbacks.PreconditionerRefresh(x, y, batch_size=4)
+    >>> history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[refresher])
+    >>> refresher.num_refreshes, int(model.optimizer.refreshes)  # at steps 0 and 2
+    (2, 2)
     """
 
     def __init__(self, x, y, batch_size=128, seed=0):

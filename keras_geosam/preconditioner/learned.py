@@ -60,6 +60,27 @@ class LearnedPreconditioner:
         decay_mask: ``"all"`` (default) decays every tensor; ``"kernels"``
             only tensors of two or more axes, leaving biases and
             normalisation scales undecayed, as the reference's mask does.
+
+    Raises:
+        ValueError: if `structure`, `divergence`, `refresh_source` or
+            `decay_mask` is not one of its values; `refresh_every`,
+            `refresh_steps` or `refresh_until` is not an integer >= 1;
+            `inner_learning_rate` or `clip_norm` is not positive;
+            `inner_momentum` is outside [0, 1); `beta` is outside [0, 1];
+            or `min_diagonal` or `coupled_weight_decay` is negative.
+
+    Example:
+
+    >>> U = kg.preconditioner.LearnedPreconditioner(structure="kfac", refresh_every=100)
+    >>> U.beta, U.refresh_steps  # beta defaults to 0.95 for divergence="ngd"
+    (0.95, 50)
+    >>> opt = kg.optimizers.LLQRSAM(keras.optimizers.SGD(0.1), structure="kfac")
+    >>> type(opt.preconditioner).__name__, opt.structure
+    ('LearnedPreconditioner', 'kfac')
+    >>> kg.preconditioner.LearnedPreconditioner(inner_momentum=1.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: inner_momentum must be < 1, got 1.0.
     """
 
     def __init__(

@@ -30,14 +30,65 @@ def _direction(layout, params, gbar):
 
 
 def objective(layout, params, gbar, gprod):
-    """J(U) (for tests and monitoring)."""
+    """J(U) (for tests and monitoring).
+
+    ``J(U) = gbar . u + 1/2 u . G u`` with ``u = -U gbar`` (module doc).
+
+    Args:
+        layout: U's layout (``kg.preconditioner.layout``).
+        params: U's flat parameters, in the order of ``param_specs``.
+        gbar: the mean-loss gradient, a list like the variables.
+        gprod: ``v -> G v`` for lists like the variables.
+
+    Returns:
+        A scalar tensor.
+
+    Raises:
+        ValueError: if `params` does not fit `layout`.
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, use_bias=False)])
+    >>> layout = kg.preconditioner.layout(model.trainable_variables, "diagonal")
+    >>> gbar = [keras.ops.convert_to_tensor([[1.0], [2.0]])]
+    >>> G = kg.curvature.Diagonal([np.array([[2.0], [4.0]], "float32")])
+    >>> identity = [keras.ops.ones((2, 1))]
+    >>> float(kg.preconditioner.objective(layout, identity, gbar, G.matvec))
+    4.0
+    >>> best = [keras.ops.convert_to_tensor([[0.5], [0.25]])]  # U = G^-1
+    >>> float(kg.preconditioner.objective(layout, best, gbar, G.matvec))
+    -0.75
+    """
     u = _direction(layout, params, gbar)
     Gu = gprod(u)
     return sum(ops.sum(g * x) for g, x in zip(gbar, u)) + 0.5 * sum(ops.sum(x * h) for x, h in zip(u, Gu))
 
 
 def objective_gradient(layout, params, gbar, gprod):
-    """grad of J with respect to the flat U parameters."""
+    """grad of J with respect to the flat U parameters.
+
+    ``(du/dU)^T (gbar + G u)``: one G-product and one vector-Jacobian
+    product (module doc).
+
+    Args:
+        layout, params, gbar, gprod: as for :func:`objective`.
+
+    Returns:
+        A list of tensors shaped like `params`.
+
+    Raises:
+        ValueError: if `params` does not fit `layout`.
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, use_bias=False)])
+    >>> layout = kg.preconditioner.layout(model.trainable_variables, "diagonal")
+    >>> gbar = [keras.ops.convert_to_tensor([[1.0], [2.0]])]
+    >>> G = kg.curvature.Diagonal([np.array([[2.0], [4.0]], "float32")])
+    >>> (grad,) = kg.preconditioner.objective_gradient(layout, [keras.ops.ones((2, 1))], gbar, G.matvec)
+    >>> keras.ops.convert_to_numpy(grad).ravel().tolist()  # -g*g + g*G(d*g) at d = 1
+    [1.0, 12.0]
+    """
     # One pass of U -> U gbar serves both u and the pullback.
     u, pull = backend.value_and_vjp(lambda p: _direction(layout, p, gbar), list(params))
     Gu = gprod(u)
@@ -49,7 +100,26 @@ def _sanitise(grads):
 
 
 def clip_by_groups(grads, groups, clip_norm):
-    """Each group of gradients scaled to L2 norm <= `clip_norm` together."""
+    """Each group of gradients scaled to L2 norm <= `clip_norm` together.
+
+    Args:
+        grads: a list of tensors.
+        groups: lists of indices into `grads`.
+        clip_norm: the bound on each group's joint L2 norm.
+
+    Returns:
+        A list like `grads`.
+
+    Raises:
+        IndexError: if a group holds an index outside `grads`.
+
+    Example:
+
+    >>> grads = [keras.ops.convert_to_tensor([3.0, 4.0]), keras.ops.convert_to_tensor([0.5])]
+    >>> out = kg.preconditioner.clip_by_groups(grads, [[0], [1]], clip_norm=1.0)
+    >>> [round(float(np.linalg.norm(keras.ops.convert_to_numpy(g))), 3) for g in out]
+    [1.0, 0.5]
+    """
     out = list(grads)
     for group in groups:
         norm = ops.sqrt(sum(ops.sum(ops.square(grads[i])) for i in group))
@@ -60,7 +130,39 @@ def clip_by_groups(grads, groups, clip_norm):
 
 
 def refresh(layout, params, gbar, gprod, groups, steps=50, learning_rate=1e-3, momentum=0.9, clip_norm=5.0, beta=0.95, min_diagonal=1e-8):
-    """Returns new flat U parameters after one refresh (see module doc)."""
+    """Returns new flat U parameters after one refresh (see module doc).
+
+    Args:
+        layout, params, gbar, gprod: as for :func:`objective`.
+        groups: parameter indices clipped together
+            (``kg.preconditioner.clip_groups``).
+        steps: heavy-ball steps. Defaults to `50`.
+        learning_rate: their step size. Defaults to `1e-3`.
+        momentum: their momentum. Defaults to `0.9`.
+        clip_norm: the per-group gradient norm bound. Defaults to `5.0`.
+        beta: EMA weight of the old U. Defaults to `0.95`.
+        min_diagonal: lower bound on positive parameters. Defaults to
+            `1e-8`.
+
+    Returns:
+        A list of tensors shaped like `params`.
+
+    Raises:
+        ValueError: if `params` does not fit `layout`.
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, use_bias=False)])
+    >>> variables = model.trainable_variables
+    >>> layout = kg.preconditioner.layout(variables, "diagonal")
+    >>> groups = kg.preconditioner.clip_groups(layout, variables, "diagonal")
+    >>> gbar = [keras.ops.convert_to_tensor([[1.0], [2.0]])]
+    >>> G = kg.curvature.Diagonal([np.array([[2.0], [4.0]], "float32")])
+    >>> (d,) = kg.preconditioner.refresh(layout, [keras.ops.ones((2, 1))], gbar, G.matvec, groups,
+    ...                                  steps=300, learning_rate=0.01, beta=0.0)
+    >>> np.round(keras.ops.convert_to_numpy(d), 3).ravel().tolist()  # U -> G^-1
+    [0.5, 0.25]
+    """
     old = list(params)
 
     def body(i, carry):

@@ -64,6 +64,22 @@ def _prepare(model):
         model.optimizer.build(model.trainable_variables)
 
 
+def _with_refresh_monitor(model, kwargs):
+    """``fit``'s keyword arguments with a RefreshMonitor in front when the
+    optimizer learns a U (so its stalls are explained in the logs)."""
+    from keras_geosam.callbacks.refresh_monitor import RefreshMonitor
+    from keras_geosam.optimizers.preconditioned import PreconditionedOptimizer
+
+    opt = _step.unwrap(getattr(model, "optimizer", None))[0]
+    callbacks = kwargs.get("callbacks")
+    if not isinstance(opt, PreconditionedOptimizer) or isinstance(callbacks, keras.callbacks.CallbackList):
+        return kwargs
+    callbacks = list(callbacks or [])
+    if not any(isinstance(c, RefreshMonitor) for c in callbacks):
+        callbacks.insert(0, RefreshMonitor())
+    return dict(kwargs, callbacks=callbacks)
+
+
 def _metrics_result(model, result):
     """`result` (Keras' get_metrics_result dict) without the step's trackers."""
     ours = {id(t) for t in _step.step_trackers(model)}
@@ -93,6 +109,9 @@ class TwoPassStepMixin:
     def make_train_function(self, force=False):
         _prepare(self)
         return super().make_train_function(force=force)
+
+    def fit(self, *args, **kwargs):
+        return super().fit(*args, **_with_refresh_monitor(self, kwargs))
 
     def train_step(self, *args):
         if _step.unwrap(self.optimizer)[0] is None:
@@ -237,6 +256,7 @@ def attach(model):
     stock_step = type(model).train_step
     stock_compile = model.compile
     stock_result = type(model).get_metrics_result
+    stock_fit = model.fit
 
     def train_step(self, *args):
         if _step.unwrap(self.optimizer)[0] is None:
@@ -250,6 +270,10 @@ def attach(model):
     def get_metrics_result(self):
         return _metrics_result(self, stock_result(self))
 
+    def fit(*args, **kwargs):
+        return stock_fit(*args, **_with_refresh_monitor(model, kwargs))
+
+    object.__setattr__(model, "fit", fit)
     object.__setattr__(model, "train_step", types.MethodType(train_step, model))
     object.__setattr__(model, "get_metrics_result", types.MethodType(get_metrics_result, model))
     object.__setattr__(model, "compile", compile)
