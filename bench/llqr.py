@@ -17,7 +17,11 @@ Per backend, on MLPs 784-w-w-10 (ReLU, batch 128, random data):
   ``t_step + t_refresh / 1000``, and its ratio to the SGD step;
 - the growth of LLQRSAM's overhead over SGD (amortised, diagonal) with the
   parameter count P across the widths: the exponent k of a least-squares fit
-  ``overhead ~ P^k`` in log-log.
+  ``overhead ~ P^k`` in log-log;
+- ``--refresh-goals``: one refresh of U measured in SGD steps of the same
+  model and batch, against the goals: the MLP 784-512-512-10 at batch 256
+  (diagonal <= 60, K-FAC <= 120) and a small BatchNorm ResNet on 32x32x3
+  images at batch 64 (<= 120, both structures).
 """
 
 import argparse
@@ -146,12 +150,104 @@ def table(results):
     return "\n".join(lines)
 
 
+REFRESH_GOALS = {("mlp", "diagonal"): 60, ("mlp", "kfac"): 120, ("resnet", "diagonal"): 120, ("resnet", "kfac"): 120}
+
+
+def _small_resnet(kg, keras):
+    """Conv 16 -> two residual stages (32, 64 filters, BatchNorm, ReLU) -> 10."""
+    keras.utils.set_random_seed(0)
+    L = keras.layers
+    inputs = keras.Input((32, 32, 3))
+    h = L.ReLU()(L.BatchNormalization()(L.Conv2D(16, 3, padding="same", use_bias=False)(inputs)))
+    for filters in (32, 64):
+        shortcut = L.Conv2D(filters, 1, strides=2, use_bias=False)(h)
+        h = L.ReLU()(L.BatchNormalization()(L.Conv2D(filters, 3, strides=2, padding="same", use_bias=False)(h)))
+        h = L.BatchNormalization()(L.Conv2D(filters, 3, padding="same", use_bias=False)(h))
+        h = L.ReLU()(L.Add()([h, shortcut]))
+    outputs = L.Dense(10)(L.GlobalAveragePooling2D()(h))
+    return kg.Model(inputs, outputs)
+
+
+def refresh_goals(repeats):
+    """Refresh time / SGD step time per (model, structure)."""
+    import keras
+    import numpy as np
+
+    import keras_geosam as kg
+
+    rng = np.random.default_rng(0)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    cases = {
+        "mlp": (lambda: _mlp(512, kg, keras), rng.normal(size=(256, 784)).astype("float32"), 256),
+        "resnet": (lambda: _small_resnet(kg, keras), rng.normal(size=(64, 32, 32, 3)).astype("float32"), 64),
+    }
+    rows = []
+    for name, (build, x, batch) in cases.items():
+        y = rng.integers(0, 10, size=batch).astype("int32")
+        model = build()
+        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9), loss=loss)
+        sgd = _step_time(model, x, y, max(repeats, 10))
+        for structure in ("diagonal", "kfac"):
+            model = build()
+            opt = kg.optimizers.LLQRSAM(keras.optimizers.SGD(0.01, momentum=0.9), structure=structure, refresh_source="callback")
+            model.compile(optimizer=opt, loss=loss)
+            model.train_on_batch(x, y)
+            opt.refresh_now(model, x, y)  # compile
+            times = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                opt.refresh_now(model, x, y)
+                keras.ops.convert_to_numpy(opt.preconditioner.variables[0])  # synchronise
+                times.append(time.perf_counter() - t)
+            refresh = statistics.median(times)
+            rows.append({
+                "backend": keras.backend.backend(), "model": name, "structure": structure, "batch": batch,
+                "sgd_step_ms": 1e3 * sgd, "refresh_s": refresh, "refresh_in_sgd_steps": refresh / sgd,
+                "goal": REFRESH_GOALS[(name, structure)],
+            })
+            print(f"  {rows[-1]['backend']} {name} {structure}: refresh = {refresh / sgd:.0f} SGD steps", file=sys.stderr, flush=True)
+    return rows
+
+
+def goals_table(rows):
+    lines = ["| backend | model | U | batch | SGD step ms | refresh s | refresh / SGD step | goal |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        met = "met" if r["refresh_in_sgd_steps"] <= r["goal"] else "NOT met"
+        lines.append(
+            f"| {r['backend']} | {r['model']} | {r['structure']} | {r['batch']} | {r['sgd_step_ms']:.2f} | "
+            f"{r['refresh_s']:.3f} | {r['refresh_in_sgd_steps']:.0f} | <= {r['goal']} ({met}) |"
+        )
+    return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--all", action="store_true", help="one subprocess per backend, combined table")
     p.add_argument("--json")
+    p.add_argument("--refresh-goals", action="store_true", help="refresh time in SGD steps against the goals")
     args = p.parse_args()
+    if args.refresh_goals:
+        backends = BACKENDS if args.all else (os.environ.get("KERAS_BACKEND", "tensorflow"),)
+        rows = []
+        for b in backends:
+            if not args.all:
+                rows += refresh_goals(3 if args.quick else 5)
+                continue
+            import tempfile
+
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+                path = f.name
+            cmd = [sys.executable, __file__, "--refresh-goals", "--json", path] + (["--quick"] if args.quick else [])
+            subprocess.run(cmd, check=True, env=dict(os.environ, KERAS_BACKEND=b))
+            with open(path) as f:
+                rows += json.load(f)
+            os.unlink(path)
+        print(goals_table(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     if args.all:
         import tempfile
 

@@ -1,0 +1,5 @@
+import sys
+
+from keras_geosam.study import main
+
+sys.exit(main())

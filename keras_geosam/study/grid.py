@@ -1,0 +1,777 @@
+"""The study's grid: one training run per (dataset, seed, optimizer, batch
+size, learning rate), each measured at its final weights and appended to a
+CSV as soon as it finishes.
+
+Resuming: a run whose key (dataset, optimizer, batch size, learning rate,
+seed) is already in the CSV, written under the same per-run settings
+(``fingerprint``), is not run again. Every run reseeds Python, NumPy and the
+backend before building its model, so a run's row does not depend on which
+runs came before it in the process: an interrupted and resumed study writes
+the same rows as an uninterrupted one (up to the timing columns).
+
+Keras is imported inside the functions that train, so importing this module
+(and parsing the command line) stays fast.
+"""
+
+import csv
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+import warnings
+
+import numpy as np
+
+# Sizes of the study. ``smoke`` takes seconds (tests); ``small`` is the
+# guide's default (about a minute or two on 2 CPU cores); ``full`` is meant
+# for an accelerator. Keras datasets in ``full`` are skipped, with a notice,
+# when they are not in Keras' cache.
+PRESETS = {
+    "smoke": dict(
+        datasets=("digits",), optimizers=("sgd", "sam"), batch_sizes=(32, 128), learning_rates=(0.05,),
+        seeds=(0,), epochs=1, train_size=256, probe_size=48, num_probes=4, width=16, max_iter=8,
+        alignment_size=256, alignment_batches=4, n_resamples=200,
+    ),
+    "small": dict(
+        datasets=("digits",), optimizers=("sgd", "sam", "llqrsam"), batch_sizes=(16, 128),
+        learning_rates=(0.02, 0.1), seeds=(0,), epochs=8, train_size=0, probe_size=128, num_probes=10,
+        width=32, max_iter=20, alignment_size=256, alignment_batches=8, n_resamples=1000,
+    ),
+    "full": dict(
+        datasets=("digits", "mnist1d", "fashion_mnist", "cifar10"),
+        optimizers=("sgd", "sam", "llqrsam", "llqrsam-kfac"), batch_sizes=(16, 64, 256),
+        learning_rates=(0.01, 0.03, 0.1), seeds=(0, 1, 2), epochs=10, train_size=10000, probe_size=512,
+        num_probes=20, width=128, max_iter=100, alignment_size=2048, alignment_batches=64, n_resamples=2000,
+    ),
+}
+PRESET_NAMES = tuple(PRESETS)
+DEFAULT_PRESET = "small"
+# Environment variable that picks the preset when no flag does (CI: smoke).
+MODE_ENV = "KERAS_GEOSAM_GUIDE_MODE"
+
+GRID_KEYS = ("datasets", "optimizers", "batch_sizes", "learning_rates", "seeds")
+# Per-run settings: a row is reused only when these match (its fingerprint).
+RUN_SETTINGS = (
+    "epochs", "train_size", "probe_size", "num_probes", "width", "depth", "activation", "max_iter",
+    "alignment_size", "alignment_batches", "data_seed", "damping",
+)
+KEY_FIELDS = ("dataset", "optimizer", "batch_size", "lr", "seed")
+FIELDS = (
+    *KEY_FIELDS, "b_over_eta", "backend", "fingerprint", "diverged",
+    "train_loss", "train_acc", "test_loss", "test_acc", "gap_loss", "gap_acc",
+    "sr_kfac", "sr_kfac_stderr", "sr_diag", "sr_diag_stderr", "trace_h", "trace_h_stderr",
+    "lambda_max", "lambda_max_stderr", "lambda_max_r", "lambda_max_r_stderr",
+    "align_cosine", "align_rank_correlation", "align_log_cosine", "align_alpha", "align_alpha_b",
+    "align_finite_population", "params", "nonzero_fisher",
+    "seconds", "measure_seconds", "complete",
+)
+# Wall times differ between two executions of the same run; nothing else may.
+TIMING_FIELDS = ("seconds", "measure_seconds")
+KERAS_DATASETS = ("mnist", "fashion_mnist", "cifar10")
+CSV_NAME, SUMMARY_NAME, FIGURE_NAME, CONFIG_NAME = "study.csv", "summary.json", "study.png", "study_config.json"
+
+
+class StudyInterrupted(RuntimeError):
+    """Stops a study midway; raise it from an ``on_run`` hook.
+
+    The rows appended so far stay in the CSV, and the next call of
+    :func:`run_study` on the same folder resumes from there.
+
+    Args:
+        *args: the message, as for any exception.
+
+    Raises:
+        Nothing when created; :func:`run_study` lets it propagate.
+
+    Example:
+
+    >>> def stop_after_first(row, index, total):
+    ...     raise StudyInterrupted(f"stopped after run {index + 1} of {total}")
+    >>> isinstance(StudyInterrupted("stop"), RuntimeError)
+    True
+    """
+
+
+@dataclasses.dataclass
+class StudyResult:
+    """What :func:`run_study` returns.
+
+    Attributes:
+        rows: one dict per run of the requested grid, in grid order, as read
+            back from the CSV (numbers as floats/ints).
+        summary: what ``summary.json`` holds: the settings, and per dataset
+            (``summary["datasets"]``) the statistics of
+            :func:`keras_geosam.study.stats.summarize`; undefined values
+            (NaN) are None.
+        csv_path: the CSV, one row per run.
+        summary_path: ``summary.json``.
+        figure_path: ``study.png``, or None without ``plot``.
+        num_run: runs computed by this call.
+        num_skipped: runs found in the CSV and not run again.
+        skipped_datasets: ``{name: reason}`` for preset datasets that were
+            not available offline.
+
+    Raises:
+        Nothing of its own: a plain record.
+
+    Example:
+
+    >>> result = StudyResult(rows=[], summary={}, csv_path="study.csv", summary_path="summary.json",
+    ...                      figure_path=None, num_run=0, num_skipped=0, skipped_datasets={})
+    >>> result.num_run + result.num_skipped
+    0
+    """
+
+    rows: list
+    summary: dict
+    csv_path: str
+    summary_path: str
+    figure_path: str
+    num_run: int
+    num_skipped: int
+    skipped_datasets: dict
+
+
+def resolve_settings(preset=None, **overrides):
+    """The study's settings: a preset updated by the non-None `overrides`.
+
+    Args:
+        preset: ``"smoke"``, ``"small"`` or ``"full"``; None reads the
+            ``KERAS_GEOSAM_GUIDE_MODE`` environment variable, else
+            ``"small"``.
+        **overrides: any key of the presets (lists as tuples), plus
+            ``depth``, ``activation``, ``data_seed``, ``damping``,
+            ``confidence``, ``data`` (an .npz path).
+
+    Returns:
+        A dict of every setting, with ``preset`` recorded.
+
+    Raises:
+        ValueError: for an unknown preset, optimizer or setting.
+
+    Example:
+
+    >>> resolve_settings("smoke", epochs=2)["epochs"]
+    2
+    """
+    preset = preset or os.environ.get(MODE_ENV) or DEFAULT_PRESET
+    if preset not in PRESETS:
+        raise ValueError(f"Unknown study preset {preset!r}; choose from {PRESET_NAMES} (or set {MODE_ENV}).")
+    s = dict(PRESETS[preset], preset=preset, depth=2, activation="relu", data_seed=0, damping=None,
+             confidence=0.95, data=None)
+    unknown = set(overrides) - set(s)
+    if unknown:
+        raise ValueError(f"Unknown study setting(s) {sorted(unknown)}; known: {sorted(s)}.")
+    explicit_datasets = overrides.get("datasets") is not None or overrides.get("data") is not None
+    s.update({k: v for k, v in overrides.items() if v is not None})
+    for k in GRID_KEYS:
+        s[k] = tuple(s[k]) if not isinstance(s[k], str) else tuple(t.strip() for t in s[k].split(",") if t.strip())
+    if s["data"] is not None and overrides.get("datasets") is None:
+        s["datasets"] = ()
+    # Datasets the user names must load; those a preset adds may be skipped.
+    s["explicit_datasets"] = explicit_datasets
+    if s["damping"] is None:
+        from keras_geosam.cli import DAMPING
+
+        s["damping"] = DAMPING
+    from keras_geosam.cli import OPTIMIZERS
+
+    bad = [o for o in s["optimizers"] if o not in OPTIMIZERS]
+    if bad:
+        raise ValueError(f"Unknown optimizer(s) {bad}; choose from {sorted(OPTIMIZERS)}.")
+    if not 0 < float(s["confidence"]) < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {s['confidence']!r}.")
+    for k in ("batch_sizes", "seeds"):
+        s[k] = tuple(int(v) for v in s[k])
+    s["learning_rates"] = tuple(float(v) for v in s["learning_rates"])
+    if any(b < 1 for b in s["batch_sizes"]) or any(not lr > 0 for lr in s["learning_rates"]):
+        raise ValueError("batch sizes must be >= 1 and learning rates > 0.")
+    # Plain ints and floats, so that the fingerprint of 16 and np.int64(16) agree.
+    for k in ("epochs", "probe_size", "num_probes", "width", "depth", "max_iter", "alignment_size",
+              "alignment_batches", "n_resamples"):
+        s[k] = int(s[k])
+        if s[k] < 1:
+            raise ValueError(f"{k} must be >= 1, got {s[k]}.")
+    s["train_size"], s["data_seed"] = int(s["train_size"]), int(s["data_seed"])
+    if s["train_size"] < 0:
+        raise ValueError(f"train_size must be >= 0 (0: all), got {s['train_size']}.")
+    s["damping"], s["confidence"] = float(s["damping"]), float(s["confidence"])
+    if not s["damping"] >= 0:
+        raise ValueError(f"damping must be >= 0, got {s['damping']}.")
+    if any(not s[k] for k in GRID_KEYS if k != "datasets") or not (s["datasets"] or s["data"]):
+        raise ValueError("every grid axis needs at least one value (datasets or data, optimizers, batch sizes, "
+                         "learning rates, seeds).")
+    return s
+
+
+def _fingerprint(settings, backend, data_digest):
+    run = {k: settings[k] for k in RUN_SETTINGS}
+    run.update(backend=backend, data=data_digest)
+    text = json.dumps(run, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12], run
+
+
+def _file_digest(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def load_study_data(name, data_seed=0, path=None):
+    """Loads one dataset of the study, inputs flattened for the MLP.
+
+    Args:
+        name: ``digits`` / ``mnist1d`` (offline), ``mnist`` / ``cifar10`` /
+            ``fashion_mnist`` (Keras' cache), or, with `path`, a label.
+        data_seed: seeds the split (digits) or the generator (mnist1d); fixed
+            across runs so every run sees the same train/test/probe data.
+        path: an ``.npz`` with ``x_train, y_train, x_test, y_test``.
+
+    Returns:
+        ``(x_train, y_train), (x_test, y_test), num_classes``.
+
+    Raises:
+        RuntimeError: a Keras dataset is neither cached nor downloadable.
+        ValueError: an unknown name, or an invalid .npz (from
+            ``keras_geosam.datasets.load_npz``).
+
+    Example:
+
+    >>> (x, y), (xt, yt), classes = load_study_data("digits")
+    >>> x.shape[1], classes
+    (64, 10)
+    """
+    from keras_geosam import datasets
+
+    if path is not None:
+        loader = getattr(datasets, "load_npz", None)
+        if loader is None:  # pragma: no cover - older package
+            raise RuntimeError("This keras_geosam has no datasets.load_npz; --data needs it.")
+        data = loader(path)
+    elif name == "fashion_mnist":
+        # datasets.load covers mnist and cifar10; Fashion-MNIST is read here
+        # the same way, with the same kind of message when it is not cached.
+        import keras
+
+        try:
+            (x_tr, y_tr), (x_te, y_te) = keras.datasets.fashion_mnist.load_data()
+        except Exception as e:
+            raise RuntimeError(
+                f"fashion_mnist is not in Keras' dataset cache and could not be downloaded: {e}. "
+                f"Fetch it once with keras.datasets.fashion_mnist.load_data() on a machine with "
+                f"internet access, pass --data file.npz, or use 'digits' or 'mnist1d'."
+            ) from e
+        data = ((x_tr.astype("float32") / 255.0, y_tr.reshape(-1).astype("int32")),
+                (x_te.astype("float32") / 255.0, y_te.reshape(-1).astype("int32")), 10)
+    else:
+        data = datasets.load(name, seed=data_seed)
+    (x_tr, y_tr), (x_te, y_te), classes = data
+    flat = lambda x: np.asarray(x, "float32").reshape(len(x), -1)
+    return (flat(x_tr), np.asarray(y_tr, "int32")), (flat(x_te), np.asarray(y_te, "int32")), int(classes)
+
+
+def build_model(input_dim, num_classes, seed, width, depth=2, activation="relu"):
+    """The study's classifier: an MLP (``kg.Sequential``) emitting logits.
+
+    Args:
+        input_dim: features per example.
+        num_classes: output units.
+        seed: reseeds Python, NumPy and the backend first
+            (``keras.utils.set_random_seed``), fixing the weights and the
+            order ``fit`` shuffles the data in.
+        width: units per hidden layer.
+        depth: hidden layers.
+        activation: hidden activation (ReLU makes the diagonal and K-FAC S_R
+            exact: no probe noise).
+
+    Returns:
+        An uncompiled ``keras_geosam.Sequential``.
+
+    Raises:
+        ValueError: from Keras for an unknown activation.
+
+    Example:
+
+    >>> build_model(64, 10, seed=0, width=8).count_params()
+    682
+    """
+    import keras
+
+    from keras_geosam.training import Sequential
+
+    keras.utils.set_random_seed(int(seed))
+    layers = [keras.Input((int(input_dim),))]
+    layers += [keras.layers.Dense(int(width), activation=activation) for _ in range(int(depth))]
+    layers.append(keras.layers.Dense(int(num_classes)))
+    return Sequential(layers)
+
+
+# One model per architecture, reused by every run with fresh initial weights
+# and a fresh optimizer: the sharpness functions cache their compiled kernels
+# per model and loss object, so reuse saves a retrace per run (seconds each
+# on JAX). The initial weights come from a model built anew with the run's
+# seed, which draws the same random numbers as a fresh model would.
+_MODEL_POOL = {}
+_POOL_SIZE = 4
+
+
+def _initialised_model(input_dim, num_classes, seed, settings):
+    import keras
+
+    arch = (int(input_dim), int(num_classes), int(settings["width"]), int(settings["depth"]), settings["activation"])
+    fresh = build_model(input_dim, num_classes, seed, settings["width"], settings["depth"], settings["activation"])
+    if arch not in _MODEL_POOL:
+        if len(_MODEL_POOL) >= _POOL_SIZE:
+            _MODEL_POOL.pop(next(iter(_MODEL_POOL)))
+        _MODEL_POOL[arch] = (fresh, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return _MODEL_POOL[arch]
+    model, loss = _MODEL_POOL[arch]
+    model.set_weights(fresh.get_weights())
+    return model, loss
+
+
+def _est(row, name, est):
+    row[name] = float(est.value)
+    row[name + "_stderr"] = float(est.stderr)
+
+
+def measure_run(model, train, test, probe, settings, batch_size, lr, seed):
+    """Every per-run quantity at the model's current weights.
+
+    Losses and accuracies on the whole train and test sets give the gaps
+    (``gap_loss = test loss - train loss``, ``gap_acc = train accuracy -
+    test accuracy``). The sharpness measures use the fixed probe subset of
+    the test set with the package's defaults of the main job: S_R with the
+    K-FAC and the diagonal exact-Fisher metric at relative damping
+    ``settings["damping"]``, tr H (exact GGN part plus probed residual),
+    lambda_max and the K-FAC Riemannian lambda_max (Lanczos, ``stderr`` the
+    Ritz residual). ``gradient_noise_alignment`` compares minibatch noise at
+    the run's batch size with the Fisher on a training subset.
+
+    Args:
+        model: a compiled, trained classifier.
+        train, test, probe: ``(x, y)`` pairs; `train` may be the alignment
+            subset's source.
+        settings: from :func:`resolve_settings`.
+        batch_size, lr, seed: the run's.
+
+    Returns:
+        A dict of the measure columns of :data:`FIELDS`.
+
+    Raises:
+        ValueError: from ``keras_geosam.sharpness`` for a model that is not
+            a classifier.
+
+    Example:
+
+    >>> # row = measure_run(model, (x, y), (xt, yt), (xt[:64], yt[:64]), settings, 32, 0.05, 0)
+    """
+    from keras_geosam import sharpness as S
+
+    (x_tr, y_tr), (x_te, y_te), (xp, yp) = train, test, probe
+    row = {}
+    train_loss, train_acc = model.evaluate(x_tr, y_tr, batch_size=1024, verbose=0)
+    test_loss, test_acc = model.evaluate(x_te, y_te, batch_size=1024, verbose=0)
+    row.update(train_loss=float(train_loss), train_acc=float(train_acc), test_loss=float(test_loss),
+               test_acc=float(test_acc), gap_loss=float(test_loss - train_loss), gap_acc=float(train_acc - test_acc))
+    nan_names = ("sr_kfac", "sr_diag", "trace_h", "lambda_max", "lambda_max_r")
+    weights_ok = all(np.all(np.isfinite(np.asarray(v))) for v in model.get_weights())
+    row["diverged"] = int(not (weights_ok and math.isfinite(train_loss)))
+    if row["diverged"]:
+        for n in nan_names:
+            row[n] = row[n + "_stderr"] = math.nan
+        for n in ("align_cosine", "align_rank_correlation", "align_log_cosine", "align_alpha", "align_alpha_b",
+                  "align_finite_population", "nonzero_fisher"):
+            row[n] = math.nan
+        return row
+    damping = settings["damping"]
+    kw = dict(num_probes=settings["num_probes"], seed=seed)
+    with warnings.catch_warnings():
+        # The undamped-diagonal degeneracy warning does not apply (damped
+        # here); unconverged probe rounds still show in the stderr column.
+        warnings.filterwarnings("ignore", message=".*piecewise linear.*")
+        warnings.filterwarnings("ignore", category=RuntimeWarning)
+        kfac = S.riemannian_sharpness(model, xp, yp, metric="kfac", damping=damping, **kw)
+        diag = S.riemannian_sharpness(model, xp, yp, metric="diagonal", damping=damping, **kw)
+        _est(row, "sr_kfac", kfac)
+        _est(row, "sr_diag", diag)
+        _est(row, "trace_h", S.hessian_trace(model, xp, yp, **kw))
+        _est(row, "lambda_max", S.hessian_max_eigenvalue(model, xp, yp, max_iter=settings["max_iter"], seed=seed))
+        _est(row, "lambda_max_r", S.riemannian_max_eigenvalue(
+            model, xp, yp, metric="kfac", damping=damping, max_iter=settings["max_iter"], seed=seed))
+        n_al = min(int(settings["alignment_size"]), len(x_tr))
+        if batch_size < n_al:
+            al = S.gradient_noise_alignment(
+                model, x_tr[:n_al], y_tr[:n_al], batch_size=batch_size,
+                num_batches=settings["alignment_batches"], learning_rate=lr, seed=seed,
+            )
+            row.update(align_cosine=al.cosine, align_rank_correlation=al.rank_correlation,
+                       align_log_cosine=al.log_cosine, align_alpha=al.alpha, align_alpha_b=al.alpha * batch_size,
+                       align_finite_population=al.finite_population)
+        else:  # no minibatch noise to measure: the batch is the whole subset
+            row.update(align_cosine=math.nan, align_rank_correlation=math.nan, align_log_cosine=math.nan,
+                       align_alpha=math.nan, align_alpha_b=math.nan, align_finite_population=math.nan)
+    row["params"] = int(diag.info["num_params"])
+    row["nonzero_fisher"] = int(diag.info["num_nonzero_fisher"])
+    return row
+
+
+def run_key(row):
+    """The key a row is found by when resuming: ``(dataset, optimizer,
+    batch_size, lr, seed)`` with typed values.
+
+    Args:
+        row: a dict with the :data:`KEY_FIELDS` (strings or numbers).
+
+    Returns:
+        A hashable tuple.
+
+    Raises:
+        KeyError, ValueError: if a field is missing or does not parse.
+
+    Example:
+
+    >>> run_key({"dataset": "digits", "optimizer": "sgd", "batch_size": "16", "lr": "0.05", "seed": "0"})
+    ('digits', 'sgd', 16, 0.05, 0)
+    """
+    return (str(row["dataset"]), str(row["optimizer"]), int(row["batch_size"]), float(row["lr"]), int(row["seed"]))
+
+
+def _parse_value(text):
+    if text in ("", None):
+        return text
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def read_rows(path):
+    """Reads the study's CSV, dropping a row cut short by an interruption.
+
+    A complete row ends with ``complete=1``; anything else (a process killed
+    mid-write) is dropped and the file is rewritten without it.
+
+    Args:
+        path: the CSV (missing: no rows).
+
+    Returns:
+        A list of dicts, values parsed to int/float where they parse.
+
+    Raises:
+        ValueError: if the file's header is not the study's
+            (:data:`FIELDS`), e.g. a CSV from another tool.
+
+    Example:
+
+    >>> read_rows("no_such_study.csv")
+    []
+    """
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        header = tuple(reader.fieldnames or ())
+        raw = list(reader)
+    if header != FIELDS:
+        raise ValueError(
+            f"{path} is not a study CSV of this version (columns {list(header)[:6]}...); "
+            f"pass another output folder or fresh=True (--fresh) to start over."
+        )
+    good = []
+    for r in raw:
+        ok = r.get("complete") == "1" and None not in r and all(r.get(k) is not None for k in FIELDS)
+        if ok:
+            try:
+                run_key(r)
+            except (KeyError, ValueError):
+                ok = False
+        if ok:
+            good.append(r)
+    if len(good) != len(raw):
+        _rewrite(path, good)
+    return [{k: (v if k in ("dataset", "optimizer", "backend", "fingerprint") else _parse_value(v))
+             for k, v in r.items()} for r in good]
+
+
+def _rewrite(path, rows):
+    tmp = path + ".tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
+def append_row(path, row):
+    """Appends one finished run to the CSV (header first if new) and flushes
+    it to disk, so a kill loses at most the run in progress.
+
+    Args:
+        path: the CSV.
+        row: a dict with every :data:`FIELDS` key.
+
+    Returns:
+        None.
+
+    Raises:
+        KeyError: if a field is missing.
+
+    Example:
+
+    >>> # append_row("out/study.csv", row)
+    """
+    missing = [k for k in FIELDS if k not in row]
+    if missing:
+        raise KeyError(f"row lacks {missing}")
+    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=FIELDS)
+        if new:
+            w.writeheader()
+        # repr of a Python float reads back to the same float.
+        w.writerow({k: (float(v) if isinstance(v, np.floating) else v) for k, v in ((k, row[k]) for k in FIELDS)})
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _check_config(output, fingerprints, run_settings, rows):
+    # study_config.json maps each fingerprint to its settings, so that a
+    # mismatch can be explained by name rather than by hash.
+    path = os.path.join(output, CONFIG_NAME)
+    configs = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            configs = json.load(f)
+    for r in rows:
+        name = r["dataset"]
+        if name in fingerprints and r["fingerprint"] != fingerprints[name]:
+            old = configs.get(r["fingerprint"], {})
+            now = run_settings[name]
+            diff = {k: (old.get(k), now.get(k)) for k in sorted(set(old) | set(now)) if old.get(k) != now.get(k)}
+            raise ValueError(
+                f"{os.path.join(output, CSV_NAME)} holds {name} runs made with other per-run settings "
+                f"({diff or 'settings not recorded'}, as (theirs, now)). Use another output folder, or "
+                f"fresh=True (--fresh) to start over."
+            )
+    for name, fp in fingerprints.items():
+        configs[fp] = run_settings[name]
+    with open(path, "w") as f:
+        json.dump(configs, f, indent=1, sort_keys=True, default=str)
+
+
+def grid_runs(settings, dataset_names):
+    """The runs of the grid in the order they execute: dataset, seed,
+    optimizer, batch size, learning rate (seeds outer, so an interrupted
+    study has covered whole grids of the first seeds).
+
+    Args:
+        settings: from :func:`resolve_settings`.
+        dataset_names: the datasets to include.
+
+    Returns:
+        A list of dicts with the :data:`KEY_FIELDS`.
+
+    Raises:
+        Nothing.
+
+    Example:
+
+    >>> s = resolve_settings("smoke")
+    >>> len(grid_runs(s, ["digits"]))
+    4
+    """
+    return [
+        dict(dataset=d, optimizer=o, batch_size=b, lr=lr, seed=sd)
+        for d in dataset_names for sd in settings["seeds"] for o in settings["optimizers"]
+        for b in settings["batch_sizes"] for lr in settings["learning_rates"]
+    ]
+
+
+def run_study(output="geosam_output/study", preset=None, *, fresh=False, plot=True, verbose=1, on_run=None,
+              **overrides):
+    """Runs (or resumes) the study and writes its CSV, summary and figure.
+
+    For every (dataset, seed, optimizer, batch size, learning rate) of the
+    grid: train an MLP with the optimizer from ``keras_geosam.cli.OPTIMIZERS``
+    (each wraps SGD with momentum 0.9 at that learning rate), measure it
+    (:func:`measure_run`) and append its row to ``output/study.csv``. Then
+    compute the statistics (:func:`keras_geosam.study.stats.summarize`:
+    Kendall tau and Spearman rho of each measure with each gap, with
+    bootstrap intervals; the exponent of S_R against B/eta), write
+    ``summary.json`` and ``study.png``, and print the tables.
+
+    Args:
+        output: folder for ``study.csv``, ``summary.json``, ``study.png``
+            and ``study_config.json``.
+        preset: ``"smoke"``, ``"small"`` or ``"full"`` (see :data:`PRESETS`);
+            None: ``$KERAS_GEOSAM_GUIDE_MODE`` or ``"small"``.
+        fresh: delete an existing CSV first instead of resuming.
+        plot: write the figure (needs matplotlib).
+        verbose: 0 silent; 1 a line per run and the tables.
+        on_run: ``f(row, index, total)`` called after each computed row is
+            appended (e.g. progress, or raising to stop the study).
+        **overrides: settings replacing the preset's (see
+            :func:`resolve_settings`): ``datasets``, ``optimizers``,
+            ``batch_sizes``, ``learning_rates``, ``seeds``, ``epochs``,
+            ``train_size`` (0: all), ``probe_size``, ``num_probes``,
+            ``width``, ``depth``, ``activation``, ``max_iter``,
+            ``alignment_size``, ``alignment_batches``, ``n_resamples``,
+            ``confidence``, ``damping``, ``data_seed``, ``data`` (.npz).
+
+    Returns:
+        A :class:`StudyResult`.
+
+    Raises:
+        ValueError: unknown settings or optimizers, or a CSV in `output`
+            written with other per-run settings (use `fresh` or another
+            folder).
+        RuntimeError: a dataset you named is not available.
+
+    Example:
+
+    One SGD run of the smoke preset, then the same call again, which finds
+    the run in the CSV and only recomputes the statistics:
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as out:
+    ...     first = run_study(out, "smoke", optimizers=("sgd",), batch_sizes=(64,), plot=False, verbose=0)
+    ...     again = run_study(out, "smoke", optimizers=("sgd",), batch_sizes=(64,), plot=False, verbose=0)
+    >>> (first.num_run, first.num_skipped), (again.num_run, again.num_skipped)
+    ((1, 0), (0, 1))
+    >>> sorted(first.rows[0])[:4]
+    ['align_alpha', 'align_alpha_b', 'align_cosine', 'align_finite_population']
+    >>> first.rows[0]["sr_kfac"] > 0
+    True
+    """
+    s = resolve_settings(preset, **overrides)
+    import keras
+
+    from keras_geosam.cli import OPTIMIZERS
+    from keras_geosam.study import report
+    from keras_geosam.study import stats
+
+    backend = keras.backend.backend()
+    os.makedirs(output, exist_ok=True)
+    csv_path = os.path.join(output, CSV_NAME)
+    if fresh and os.path.exists(csv_path):
+        os.remove(csv_path)
+    say = print if verbose else (lambda *a, **k: None)
+
+    # Data, loaded once per dataset and shared by its runs.
+    data, skipped, digests = {}, {}, {}
+    names = list(s["datasets"])
+    if s["data"] is not None:
+        label = os.path.splitext(os.path.basename(s["data"]))[0]
+        data[label] = load_study_data(label, s["data_seed"], path=s["data"])
+        digests[label] = _file_digest(s["data"])
+        names = [label] + [n for n in names if n != label]
+    for name in names:
+        if name in data:
+            continue
+        try:
+            data[name] = load_study_data(name, s["data_seed"])
+        except (RuntimeError, ImportError) as e:
+            if s["explicit_datasets"] or name not in KERAS_DATASETS:
+                raise
+            skipped[name] = str(e).split(". ")[0]
+            say(f"skipping {name}: not available offline ({skipped[name]})")
+    names = [n for n in names if n in data]
+    prepared = {}
+    for name in names:
+        (x_tr, y_tr), (x_te, y_te), classes = data[name]
+        if s["train_size"]:
+            x_tr, y_tr = x_tr[: s["train_size"]], y_tr[: s["train_size"]]
+        probe = (x_te[: s["probe_size"]], y_te[: s["probe_size"]])
+        prepared[name] = ((x_tr, y_tr), (x_te, y_te), probe, classes)
+
+    fingerprints, run_settings = {}, {}
+    for name in names:
+        fingerprints[name], run_settings[name] = _fingerprint(s, backend, digests.get(name, name))
+    rows_before = read_rows(csv_path)
+    _check_config(output, fingerprints, run_settings, rows_before)
+    done = {run_key(r): r for r in rows_before if fingerprints.get(r["dataset"]) == r["fingerprint"]}
+
+    runs = grid_runs(s, names)
+    say(f"study ({s['preset']}): backend={backend}, {len(runs)} runs "
+        f"({len(names)} dataset(s) x {len(s['seeds'])} seed(s) x {len(s['optimizers'])} optimizer(s) x "
+        f"{len(s['batch_sizes'])} batch size(s) x {len(s['learning_rates'])} learning rate(s)), "
+        f"{s['epochs']} epoch(s) each; rows -> {csv_path}")
+    num_run = num_skipped = 0
+    for i, run in enumerate(runs):
+        label = (f"[{i + 1}/{len(runs)}] {run['dataset']} {run['optimizer']} B={run['batch_size']} "
+                 f"lr={run['lr']:g} seed={run['seed']}")
+        if run_key(run) in done:
+            num_skipped += 1
+            say(f"{label}: in the CSV, skipped")
+            continue
+        train, test, probe, classes = prepared[run["dataset"]]
+        model, loss = _initialised_model(train[0].shape[1], classes, run["seed"], s)
+        model.compile(optimizer=OPTIMIZERS[run["optimizer"]](run["lr"]), loss=loss, metrics=["accuracy"])
+        t0 = time.perf_counter()
+        model.fit(train[0], train[1], batch_size=run["batch_size"], epochs=s["epochs"], verbose=0)
+        seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        row = dict(run, b_over_eta=run["batch_size"] / run["lr"], backend=backend,
+                   fingerprint=fingerprints[run["dataset"]])
+        row.update(measure_run(model, train, test, probe, s, run["batch_size"], run["lr"], run["seed"]))
+        row.update(seconds=seconds, measure_seconds=time.perf_counter() - t1, complete=1)
+        append_row(csv_path, row)
+        num_run += 1
+        say(f"{label}: test acc {row['test_acc']:.4f}, gap {row['gap_loss']:.4f}, "
+            f"S_R K-FAC {row['sr_kfac']:.4g}, tr H {row['trace_h']:.4g} "
+            f"({seconds:.1f}s train, {row['measure_seconds']:.1f}s measures)"
+            + (" DIVERGED" if row["diverged"] else ""))
+        if on_run is not None:
+            on_run(row, i, len(runs))
+
+    # Statistics over the requested grid, read back from the CSV so that
+    # resumed and fresh runs are treated alike.
+    by_key = {run_key(r): r for r in read_rows(csv_path) if fingerprints.get(r["dataset"]) == r["fingerprint"]}
+    rows = [by_key[run_key(r)] for r in runs if run_key(r) in by_key]
+    usable = [r for r in rows if not r["diverged"]]
+    summary = stats.summarize(
+        usable, measures=list(stats.MEASURES), gaps=list(stats.GAPS), n_resamples=s["n_resamples"],
+        confidence=s["confidence"], seed=0,
+        extra_columns=("align_cosine", "align_rank_correlation", "align_log_cosine", "align_alpha_b"),
+    )
+    settings_out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in s.items()}
+    result_summary = {
+        "settings": settings_out, "backend": backend, "num_runs": len(rows),
+        "num_diverged": sum(int(r["diverged"]) for r in rows), "skipped_datasets": skipped,
+        "gap_definitions": dict(stats.GAPS), "measures": dict(stats.MEASURES), "datasets": summary,
+    }
+    summary_path = os.path.join(output, SUMMARY_NAME)
+    plain = _plain(result_summary)
+    with open(summary_path, "w") as f:
+        json.dump(plain, f, indent=1)
+    figure_path = None
+    if plot and rows:
+        figure_path = os.path.join(output, FIGURE_NAME)
+        report.plot(rows, summary, figure_path)
+    if verbose:
+        print()
+        print(report.format_report(rows, result_summary))
+        print(f"\nrows: {csv_path}\nsummary: {summary_path}" + (f"\nfigure: {figure_path}" if figure_path else ""))
+    return StudyResult(rows, plain, csv_path, summary_path, figure_path, num_run, num_skipped, skipped)
+
+
+def _plain(v):
+    """JSON-ready: NaN/inf become null (strict JSON has no NaN)."""
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, (np.floating, np.integer)):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if v is None or isinstance(v, (str, int, float, bool)):
+        return v
+    return str(v)
