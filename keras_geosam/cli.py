@@ -526,14 +526,35 @@ def _reexec_under(backend, argv):
     os.execvpe(sys.executable, [sys.executable, "-m", "keras_geosam"] + list(argv), env)
 
 
+def _pop_backend(argv):
+    """``(argv without --backend X, X or None)``, for the study command."""
+    rest, backend, i = [], None, 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--backend" and i + 1 < len(argv):
+            backend, i = argv[i + 1], i + 2
+            continue
+        if a.startswith("--backend="):
+            backend = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+        i += 1
+    if backend is not None and backend not in ("jax", "tensorflow", "torch"):
+        raise SystemExit(f"keras-geosam study: --backend must be jax, tensorflow or torch, got {backend!r}")
+    return rest, backend
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     # Keep TensorFlow's C++ start-up lines out of the output unless asked for.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if argv[:1] == ["study"]:
+        rest, backend = _pop_backend(argv[1:])
+        if backend and os.environ.get("KERAS_BACKEND") != backend:
+            _reexec_under(backend, ["study"] + rest)
         from keras_geosam import study
 
-        return study.main(argv[1:])
+        return study.main(rest)
     args = _parse(argv)
     if args.compare:
         if not any(a.startswith("--optimizers") for a in argv):

@@ -133,3 +133,13 @@ def test_results_file_appends_keys_and_drops_a_torn_line(tmp_path):
     with pytest.raises(SystemExit):
         again.append({"run": "c", "other": 1})
     assert cli.ResultsFile(str(path), fresh=True).rows == []
+
+
+def test_study_command_takes_backend_and_parses_without_keras():
+    assert cli._pop_backend(["--smoke", "--backend", "jax", "--fresh"]) == (["--smoke", "--fresh"], "jax")
+    assert cli._pop_backend(["--backend=torch"]) == ([], "torch")
+    with pytest.raises(SystemExit):
+        cli._pop_backend(["--backend", "numpy"])
+    with pytest.raises(SystemExit) as info:
+        cli.main(["study", "--help"])
+    assert info.value.code == 0
