@@ -367,6 +367,12 @@ def main(argv=None):
                  refreshes=int(keras.ops.convert_to_numpy(optimizer.refreshes)))
     print(f"after {epochs} epochs: {facts['iterations']} steps, {facts['refreshes']} U refreshes "
           f"(every {size['refresh_every']} steps)")
+    # `refreshes` and `refresh_seconds` come from kg.callbacks.RefreshMonitor,
+    # which fit adds by itself for LLQR optimizers: the time a refresh took
+    # beyond an ordinary step (the first step's refresh compiles, so it is
+    # counted but not timed).
+    print(f"refreshes per epoch (logged): {h['refreshes']}, refresh seconds so far: "
+          + ", ".join(f"{v:.2f}" for v in h["refresh_seconds"]))
 
     """
     ## Resume from the checkpoint

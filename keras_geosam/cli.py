@@ -265,7 +265,7 @@ def run_dataset(args, dataset, results):
     )
     Logger = type("SharpnessLogger", (_TimedLogger, kg.callbacks.SharpnessLogger), {})
     runs = [(n, bs) for n in names for bs in batch_sizes]
-    out, curves = [], {}
+    out, curves, model = [], {}, None
     for i, (name, bs) in enumerate(runs, 1):
         label = f"{name_of_data} {name} B={bs}"
         hist_path = os.path.join(args.output, "history", f"{name_of_data}_{name}_B{bs}_{config}.json")
@@ -278,7 +278,14 @@ def run_dataset(args, dataset, results):
             continue
         if args.verbose:
             print(f"  [{i}/{len(runs)}] {label}: training {args.epochs} epochs", flush=True)
-        model = build_mlp(x_tr.shape[1], classes, args.seed)
+        # One model per dataset, re-initialised for each run: the same
+        # weights as a fresh model, and the curvature kernels compiled for
+        # it on the first run serve every later run.
+        fresh = build_mlp(x_tr.shape[1], classes, args.seed)
+        if model is None:
+            model = fresh
+        else:
+            model.set_weights(fresh.get_weights())
         model.compile(optimizer=OPTIMIZERS[name](args.lr), loss=loss, metrics=["accuracy"])
         logger = Logger(
             xp, yp,
