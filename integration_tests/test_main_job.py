@@ -159,6 +159,7 @@ def test_compare_killed_midway_resumes_to_the_same_rows(tmp_path, capsys, monkey
     cli.main(argv + ["--output", str(resumed)])
     out = capsys.readouterr().out
     assert "digits sgd B=64: already in" in out and "digits sam B=64: training" in out
+    assert "digits sam B=64 epoch 1: sharpness (" in out  # a line before each logging phase
     assert _rows_without_timings(resumed / "results.csv") == _rows_without_timings(whole / "results.csv")
     _table(out)  # the table lists both runs, the skipped one included
     assert out.count("digits s") >= 2

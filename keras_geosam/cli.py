@@ -212,8 +212,19 @@ class _TimedLogger:
     report logging's share of training time."""
 
     seconds = 0.0
+    announce = None  # a label: print a line before each logging phase
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._epoch = epoch
+        super().on_epoch_end(epoch, logs)
 
     def compute(self):
+        if self.announce:
+            print(
+                f"    {self.announce} epoch {getattr(self, '_epoch', 0) + 1}: sharpness "
+                f"({', '.join(self.metrics)}) on {len(self.x)} examples...",
+                flush=True,
+            )
         t0 = time.perf_counter()
         try:
             return super().compute()
@@ -294,6 +305,7 @@ def run_dataset(args, dataset, results):
             options={"riemannian_sharpness_kfac": {"damping": DAMPING}},
             verbose=int(args.verbose >= 2),
         )
+        logger.announce = label if args.verbose else None
         callbacks = [logger] + ([_epoch_printer(label, args.epochs)] if args.verbose >= 2 else [])
         t0 = time.perf_counter()
         hist = model.fit(
