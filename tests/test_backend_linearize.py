@@ -106,3 +106,40 @@ def test_refresh_products_reuse_equals_fresh_hvp(structure):
     for _ in range(2):
         for a, b in zip(gprod(u), want_gu):
             np.testing.assert_allclose(ops.convert_to_numpy(a), ops.convert_to_numpy(b), rtol=1e-4, atol=1e-5)
+
+
+def test_unrolled_refresh_equals_the_loop():
+    """objective.refresh(unroll=True), used for convolutional nets where
+    compiled loops are slow (XLA:CPU), computes the same U as the loop."""
+    import importlib
+
+    import keras
+
+    from keras_geosam import backend as kb
+    from keras_geosam.preconditioner import LearnedPreconditioner
+
+    objective = importlib.import_module("keras_geosam.preconditioner.objective")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6, 6, 2)), keras.layers.Conv2D(3, 3, activation="tanh"),
+                              keras.layers.Flatten(), keras.layers.Dense(3)])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = ops.convert_to_tensor(RNG.normal(size=(8, 6, 6, 2)).astype("float32"))
+    y = ops.convert_to_tensor(RNG.integers(0, 3, size=8).astype("int32"))
+    from keras_geosam.preconditioner import structures
+
+    pre = LearnedPreconditioner(structure="kfac")
+    pre.layout = structures.layout(model.trainable_variables, "kfac")
+    assert pre._unroll() == kb.slow_convolutions_in_loops
+    values = [v.value for v in model.trainable_variables]
+    nt = [v.value for v in model.non_trainable_variables]
+    gbar, gprod = pre._problem(model, values, nt, x, y)
+    groups = structures.clip_groups(pre.layout, model.trainable_variables, "kfac")
+    params = [ops.convert_to_tensor(np.eye(s[0], dtype="float32") if init == "identity" else np.ones(s, "float32"))
+              for _, _, s, init, _ in structures.param_specs(pre.layout)]
+    looped = objective.refresh(pre.layout, params, gbar, gprod, groups, steps=4, learning_rate=0.1)
+    unrolled = objective.refresh(pre.layout, params, gbar, gprod, groups, steps=4, learning_rate=0.1, unroll=True)
+    moved = False
+    for a, b, p in zip(looped, unrolled, params):
+        np.testing.assert_allclose(ops.convert_to_numpy(a), ops.convert_to_numpy(b), rtol=1e-5, atol=1e-7)
+        moved = moved or not np.allclose(ops.convert_to_numpy(a), ops.convert_to_numpy(p))
+    assert moved

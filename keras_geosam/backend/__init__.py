@@ -24,6 +24,8 @@ a list of backend tensors:
   matrix, with the fastest solver for the device
 - ``per_example_grads(f, params, *batch)`` -> gradients of ``f(params, *example)``
   for every example along axis 0 of ``batch`` (vectorised, no Python loop)
+- ``slow_convolutions_in_loops``: True where a compiled loop over a
+  convolutional network should be unrolled (XLA:CPU)
 - ``compile(fn)`` -> a compiled version of a pure function (or ``fn`` itself)
 - ``replica_count()`` / ``all_reduce_sum(tensors)``: tf.distribute replicas
   (a step's gradients are per-replica there); 1 / identity elsewhere
@@ -58,6 +60,7 @@ vjp_batched = _impl.vjp_batched
 per_example_grads = _impl.per_example_grads
 eigh = _impl.eigh
 compile = _impl.compile
+slow_convolutions_in_loops = _impl.slow_convolutions_in_loops
 replica_count = _impl.replica_count
 all_reduce_sum = _impl.all_reduce_sum
 cond_apply = _impl.cond_apply
@@ -75,6 +78,7 @@ __all__ = [
     "per_example_grads",
     "eigh",
     "compile",
+    "slow_convolutions_in_loops",
     "replica_count",
     "all_reduce_sum",
     "cond_apply",

@@ -3,6 +3,12 @@
 import jax
 
 
+# XLA:CPU runs a convolution's kernel gradient about 11x slower inside a
+# while loop than unrolled (jax-ml/jax#12868): loops over convolutional
+# networks are unrolled there (LLQR's refresh).
+slow_convolutions_in_loops = jax.default_backend() == "cpu"
+
+
 def value_and_grad(f, params, *args, has_aux=False):
     """Returns ``(value, grads)`` or, with ``has_aux``, ``((value, aux), grads)``."""
     return jax.value_and_grad(f, has_aux=has_aux)(params, *args)

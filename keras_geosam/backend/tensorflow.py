@@ -5,6 +5,10 @@ import tensorflow as tf
 _ZERO = tf.UnconnectedGradients.ZERO
 
 
+# Convolutions run as fast inside compiled loops as outside.
+slow_convolutions_in_loops = False
+
+
 def value_and_grad(f, params, *args, has_aux=False):
     with tf.GradientTape() as tape:
         tape.watch(params)

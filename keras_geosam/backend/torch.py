@@ -18,6 +18,10 @@ def _fill(grads, params):
     return [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
 
 
+# Convolutions run as fast inside compiled loops as outside.
+slow_convolutions_in_loops = False
+
+
 def value_and_grad(f, params, *args, has_aux=False):
     with torch.enable_grad():
         leaves = _leaves(params)

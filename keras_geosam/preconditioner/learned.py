@@ -198,8 +198,16 @@ class LearnedPreconditioner:
             self.layout, [p.value for p in self.variables], gbar, gprod, self.groups,
             steps=self.refresh_steps, learning_rate=self.inner_learning_rate,
             momentum=self.inner_momentum, clip_norm=self.clip_norm, beta=self.beta,
-            min_diagonal=self.min_diagonal,
+            min_diagonal=self.min_diagonal, unroll=self._unroll(),
         )
+
+    def _unroll(self):
+        # XLA:CPU runs convolutions' kernel gradients many times slower
+        # inside a compiled loop (a small ResNet's refresh: 52 s looped,
+        # 2 s unrolled after a 46 s compile); other backends and devices
+        # keep the loop, which compiles once.
+        has_conv = any(len(shape) > 2 for _, shape, _ in self.layout)
+        return has_conv and backend.slow_convolutions_in_loops
 
     def prepare_step(self, due, model, values, non_trainable, x, y):
         """In-step refresh if `due` (a boolean tensor; ``refresh_source="step"``),

@@ -129,7 +129,7 @@ def clip_by_groups(grads, groups, clip_norm):
     return out
 
 
-def refresh(layout, params, gbar, gprod, groups, steps=50, learning_rate=1e-3, momentum=0.9, clip_norm=5.0, beta=0.95, min_diagonal=1e-8):
+def refresh(layout, params, gbar, gprod, groups, steps=50, learning_rate=1e-3, momentum=0.9, clip_norm=5.0, beta=0.95, min_diagonal=1e-8, unroll=False):
     """Returns new flat U parameters after one refresh (see module doc).
 
     Args:
@@ -143,6 +143,8 @@ def refresh(layout, params, gbar, gprod, groups, steps=50, learning_rate=1e-3, m
         beta: EMA weight of the old U. Defaults to `0.95`.
         min_diagonal: lower bound on positive parameters. Defaults to
             `1e-8`.
+        unroll: trace the steps one after another instead of as a compiled
+            loop (the same numbers; longer to compile). Defaults to `False`.
 
     Returns:
         A list of tensors shaped like `params`.
@@ -172,7 +174,13 @@ def refresh(layout, params, gbar, gprod, groups, steps=50, learning_rate=1e-3, m
         current = [p - learning_rate * v for p, v in zip(current, velocity)]
         return current, velocity
 
-    learned, _ = ops.fori_loop(0, steps, body, (old, [ops.zeros_like(p) for p in old]))
+    carry = (old, [ops.zeros_like(p) for p in old])
+    if unroll:
+        for i in range(steps):
+            carry = body(i, carry)
+        learned = carry[0]
+    else:
+        learned, _ = ops.fori_loop(0, steps, body, carry)
     new = [beta * o + (1.0 - beta) * n for o, n in zip(old, learned)]
     for j, (_, _, _, _, positive) in enumerate(param_specs(layout)):
         if positive:
