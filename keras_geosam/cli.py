@@ -422,6 +422,9 @@ class ResultsFile:
 
 
 def _from_csv(text):
+    """A CSV cell as int, float or the text itself (empty stays empty)."""
+    if text in ("", None):
+        return text
     for cast in (int, float):
         try:
             return cast(text)

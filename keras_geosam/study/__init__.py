@@ -25,6 +25,7 @@ import argparse
 import os
 import sys
 
+from keras_geosam.cli import _positive_int as _pos_int
 from keras_geosam.study import stats
 from keras_geosam.study.grid import FIELDS
 from keras_geosam.study.grid import MODE_ENV
@@ -61,13 +62,6 @@ def _nonneg_int(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
-
-
-def _pos_int(text):
-    v = _nonneg_int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
     return v
 
 

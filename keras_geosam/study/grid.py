@@ -24,6 +24,8 @@ import warnings
 
 import numpy as np
 
+from keras_geosam.cli import _from_csv
+
 # Sizes of the study. ``smoke`` takes seconds (tests); ``small`` is the
 # guide's default (about a minute or two on 2 CPU cores); ``full`` is meant
 # for an accelerator. Keras datasets in ``full`` are skipped, with a notice,
@@ -441,17 +443,6 @@ def run_key(row):
     return (str(row["dataset"]), str(row["optimizer"]), int(row["batch_size"]), float(row["lr"]), int(row["seed"]))
 
 
-def _parse_value(text):
-    if text in ("", None):
-        return text
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
 def read_rows(path):
     """Reads the study's CSV, dropping a row cut short by an interruption.
 
@@ -496,7 +487,7 @@ def read_rows(path):
             good.append(r)
     if len(good) != len(raw):
         _rewrite(path, good)
-    return [{k: (v if k in ("dataset", "optimizer", "backend", "fingerprint") else _parse_value(v))
+    return [{k: (v if k in ("dataset", "optimizer", "backend", "fingerprint") else _from_csv(v))
              for k, v in r.items()} for r in good]
 
 
