@@ -8,7 +8,7 @@ import sys
 __version__ = "0.1.0"
 
 _SUBMODULES = (
-    "backend", "callbacks", "curvature", "datasets", "estimators",
+    "backend", "callbacks", "curvature", "datasets", "distribution", "estimators",
     "optimizers", "preconditioner", "reparam", "sharpness", "study", "training",
 )
 _TRAINING = ("Model", "Sequential", "attach")

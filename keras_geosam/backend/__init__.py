@@ -29,6 +29,13 @@ a list of backend tensors:
 - ``compile(fn)`` -> a compiled version of a pure function (or ``fn`` itself)
 - ``replica_count()`` / ``all_reduce_sum(tensors)``: tf.distribute replicas
   (a step's gradients are per-replica there); 1 / identity elsewhere
+- ``distribute_batch(a)``: a streamed data batch as a tensor, split over the
+  devices of an active JAX ``keras.distribution`` (data-parallel estimators)
+- ``data_parallel_shards(model=None)``: devices one process's batch is split over
+  (JAX keras.distribution batch axis, tf.distribute replicas; 1 elsewhere)
+- ``process_count()``: processes in a multi-process JAX job (1 elsewhere)
+- ``save_from_primary(save)``: runs ``save()`` on process 0 only under
+  multi-process JAX (every process waits); ``save()`` elsewhere
 - ``cond_apply(pred, apply_fn, skip_fn, args)``: a conditional optimizer
   update that is legal under tf.distribute
 """
@@ -64,6 +71,10 @@ slow_convolutions_in_loops = _impl.slow_convolutions_in_loops
 replica_count = _impl.replica_count
 all_reduce_sum = _impl.all_reduce_sum
 cond_apply = _impl.cond_apply
+distribute_batch = _impl.distribute_batch
+save_from_primary = _impl.save_from_primary
+process_count = _impl.process_count
+data_parallel_shards = _impl.data_parallel_shards
 
 __all__ = [
     "name",
@@ -82,4 +93,8 @@ __all__ = [
     "replica_count",
     "all_reduce_sum",
     "cond_apply",
+    "distribute_batch",
+    "save_from_primary",
+    "process_count",
+    "data_parallel_shards",
 ]

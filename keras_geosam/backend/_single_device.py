@@ -8,6 +8,26 @@ no per-replica gradients to reduce and no cross-replica context to respect.
 from keras import ops
 
 
+def distribute_batch(a):
+    """A streamed data batch as a tensor (no data-parallel placement)."""
+    return ops.convert_to_tensor(a)
+
+
+def process_count():
+    """Processes in the job (one)."""
+    return 1
+
+
+def data_parallel_shards(model=None):
+    """Devices a batch is split over (none: 1)."""
+    return 1
+
+
+def save_from_primary(save):
+    """Runs ``save()`` (one process)."""
+    return save()
+
+
 def replica_count():
     return 1
 

@@ -77,6 +77,77 @@ def compile(fn):
     return jax.jit(fn)
 
 
+def distribute_batch(a):
+    """A streamed data batch placed for the active ``keras.distribution``.
+
+    Under a distribution the batch axis is split over the devices of the
+    data layout (every process passes the same global array), so compiled
+    kernels run data-parallel and XLA reduces their sums over examples
+    across devices and processes. A batch that does not divide evenly is
+    replicated instead: correct, on every device. Without a distribution:
+    ``a`` as a tensor.
+    """
+    import keras
+    import numpy as np
+
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return keras.ops.convert_to_tensor(a)
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        return a  # already a global array
+    a = np.asarray(a)
+    sharding = distribution.get_data_layout(a.shape).backend_layout
+    axes = sharding.spec[0] if sharding.spec else None
+    axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+    shards = int(np.prod([sharding.mesh.shape[name] for name in axes]))
+    if a.ndim == 0 or a.shape[0] % shards:
+        sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
+
+
+def process_count():
+    """Processes in the job (``jax.distributed``)."""
+    return jax.process_count()
+
+
+def data_parallel_shards(model=None):
+    """Devices along the active keras.distribution's batch axis that one
+    process's batch is split over (1 without a distribution)."""
+    import keras
+
+    distribution = keras.distribution.distribution()
+    if distribution is None:
+        return 1
+    mesh = distribution.device_mesh
+    name = getattr(distribution, "batch_dim_name", None)
+    shards = mesh.shape[mesh.axis_names.index(name)] if name in mesh.axis_names else 1
+    return max(1, shards // jax.process_count())
+
+
+def save_from_primary(save):
+    """Runs ``save()`` on process 0 only; every process waits for it.
+
+    Keras' saving builds a reference optimizer, whose variable would be a
+    cross-process collective under a multi-process distribution: process 0
+    saves with the distribution unset (the replicated weights are all
+    local), the others wait at a barrier.
+    """
+    import keras
+
+    if jax.process_count() == 1:
+        return save()
+    from jax.experimental import multihost_utils
+
+    if jax.process_index() == 0:
+        distribution = keras.distribution.distribution()
+        keras.distribution.set_distribution(None)
+        try:
+            save()
+        finally:
+            keras.distribution.set_distribution(distribution)
+    multihost_utils.sync_global_devices("keras_geosam.save_from_primary")
+
+
 # Keras offers no per-replica train step on this backend: gradients are global.
 from keras_geosam.backend._single_device import all_reduce_sum  # noqa: E402,F401
 from keras_geosam.backend._single_device import cond_apply  # noqa: E402,F401

@@ -187,3 +187,17 @@ def cond_apply(pred, apply_fn, skip_fn, args):
 
 def _none(_):
     return tf.constant(0)
+
+
+def data_parallel_shards(model=None):
+    """Replicas a global batch is split over: `model`'s tf.distribute
+    strategy, else the current one (1 without one)."""
+    strategy = getattr(model, "_distribute_strategy", None)
+    if strategy is None and tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+    return 1 if strategy is None else int(strategy.num_replicas_in_sync)
+
+
+from keras_geosam.backend._single_device import distribute_batch  # noqa: E402,F401
+from keras_geosam.backend._single_device import process_count  # noqa: E402,F401
+from keras_geosam.backend._single_device import save_from_primary  # noqa: E402,F401

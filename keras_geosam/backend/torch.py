@@ -197,4 +197,8 @@ def compile(fn):
 # Keras offers no per-replica train step on this backend: gradients are global.
 from keras_geosam.backend._single_device import all_reduce_sum  # noqa: E402,F401
 from keras_geosam.backend._single_device import cond_apply  # noqa: E402,F401
+from keras_geosam.backend._single_device import distribute_batch  # noqa: E402,F401
+from keras_geosam.backend._single_device import data_parallel_shards  # noqa: E402,F401
+from keras_geosam.backend._single_device import process_count  # noqa: E402,F401
+from keras_geosam.backend._single_device import save_from_primary  # noqa: E402,F401
 from keras_geosam.backend._single_device import replica_count  # noqa: E402,F401
