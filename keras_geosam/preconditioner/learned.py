@@ -134,7 +134,12 @@ class LearnedPreconditioner:
         self.variables = []
         for i, name, shape, init, _ in structures.param_specs(self.layout):
             init = keras.initializers.Identity() if init == "identity" else init
-            self.variables.append(optimizer.add_variable(shape, initializer=init, name=f"U{i}_{name}"))
+            # A diagonal block is laid out like its weight (sharded with it
+            # under keras.distribution.ModelParallel); Kronecker factors and
+            # EK-FAC's bases are replicated: each product needs them whole.
+            layout = getattr(var_list[i], "_layout", None) if tuple(shape) == tuple(var_list[i].shape) else None
+            extra = {} if layout is None else {"layout": layout}
+            self.variables.append(optimizer.add_variable(shape, initializer=init, name=f"U{i}_{name}", **extra))
         # dtype "int", as Keras' own `iterations`: int64 where the backend
         # has it, int32 on JAX without x64 (no truncation warning).
         self.refreshes = optimizer.add_variable((), initializer="zeros", dtype="int", name="refreshes")
