@@ -26,3 +26,39 @@ def test_mirrored_strategy_global_equals_one_device_and_per_replica_differs():
         assert diffs[f"{cls}_global"] < 1e-6, diffs
         # Each replica perturbs with its own half-batch gradient.
         assert diffs[f"{cls}_per_replica"] > 1e-3, diffs
+
+
+_UNEVEN = """
+import tensorflow as tf
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+import keras, numpy as np, keras_geosam as kg
+x = np.random.default_rng(0).normal(size=(66, 6)).astype("float32")
+y = np.zeros(66, "int32")
+with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+    model = kg.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile(optimizer=kg.optimizers.SAM(keras.optimizers.SGD(0.1)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+before = [w.copy() for w in model.get_weights()]
+for batch_size, n in ((33, 66), (32, 65)):
+    try:
+        model.fit(x[:n], y[:n], batch_size=batch_size, epochs=1, verbose=0)
+        print("NO ERROR", batch_size, n)
+    except ValueError as e:
+        print("ERROR", e)
+assert all((a == b).all() for a, b in zip(before, model.get_weights()))
+model.fit(x[:64], y[:64], batch_size=32, epochs=1, verbose=0)
+print("EVEN OK")
+"""
+
+
+def test_uneven_replica_batches_are_refused_before_a_step():
+    """Replicas would get unequal shares (17/16) and the step's gradient
+    would no longer be the batch mean: refused, naming the fix."""
+    env = dict(os.environ, KERAS_BACKEND="tensorflow")
+    proc = subprocess.run([sys.executable, "-c", _UNEVEN], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [l for l in proc.stdout.splitlines() if l.startswith(("ERROR", "NO ERROR", "EVEN"))]
+    assert "batch_size=33" in lines[0] and "divisible by 2" in lines[0], lines
+    assert "(65 % 32)" in lines[1] and "drop_remainder" in lines[1], lines
+    assert lines[2] == "EVEN OK", lines

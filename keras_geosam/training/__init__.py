@@ -80,6 +80,62 @@ def _with_refresh_monitor(model, kwargs):
     return dict(kwargs, callbacks=callbacks)
 
 
+def _check_fit_batches(model, args, kwargs):
+    """Array data under a keras.distribution or tf.distribute strategy:
+    every batch must split evenly over the devices
+    (``kg.distribution.check_batches``)."""
+    from keras_geosam import backend
+    from keras_geosam.distribution import check_batches
+
+    if backend.data_parallel_shards(model) <= 1:
+        return
+
+    x = kwargs.get("x", args[0] if args else None)
+    first = keras.tree.flatten(x)[0] if x is not None and keras.tree.is_nested(x) else x
+    if first is None or not hasattr(first, "shape") or not hasattr(first, "__len__"):
+        return  # a dataset or generator sets its own batches
+    batch_size = kwargs.get("batch_size", args[2] if len(args) > 2 else None) or 32
+    check_batches(int(first.shape[0]), int(batch_size), model)
+
+
+def _multi_worker(strategy):
+    """Whether `strategy` is a MultiWorkerMirroredStrategy spanning several
+    workers (Keras' own test for its multi-worker reductions)."""
+    if strategy is None or keras.backend.backend() != "tensorflow":
+        return False
+    from keras.src.backend.tensorflow.trainer import _collective_all_reduce_multi_worker
+
+    return _collective_all_reduce_multi_worker(strategy)
+
+
+def _replica_axis(model, logs):
+    """A step's logs, given a leading replica axis under a multi-worker
+    strategy. Keras 3.15 averages them over multi-worker replicas with
+    strategy.reduce("MEAN", v, axis=0), which fails on the scalars a step
+    returns; along a replica axis it is the mean over replicas, as under
+    MirroredStrategy."""
+    if not _multi_worker(getattr(model, "distribute_strategy", None)):
+        return logs
+    return {k: keras.ops.expand_dims(v, 0) for k, v in logs.items()}
+
+
+def _local_batch(iterator):
+    """The first batch of a TF epoch iterator, its distributed values
+    replaced by the first local replica's."""
+    import tensorflow as tf
+
+    for _, _, it in iterator:
+        batch = next(it)
+        break
+
+    def local(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return value.values[0]
+        return value
+
+    return keras.tree.map_structure(local, batch)
+
+
 def _metrics_result(model, result):
     """`result` (Keras' get_metrics_result dict) without the step's trackers."""
     ours = {id(t) for t in _step.step_trackers(model)}
@@ -111,12 +167,30 @@ class TwoPassStepMixin:
         return super().make_train_function(force=force)
 
     def fit(self, *args, **kwargs):
-        return super().fit(*args, **_with_refresh_monitor(self, kwargs))
+        from keras_geosam.distribution import layout_errors
+
+        _check_fit_batches(self, args, kwargs)
+        with layout_errors():
+            return super().fit(*args, **_with_refresh_monitor(self, kwargs))
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # TensorFlow trainer only. Keras 3.15 takes the shapes of the first
+        # distributed batch from strategy.reduce("MEAN", batch), which
+        # MultiWorkerMirroredStrategy cannot do on a nested (x, y) structure
+        # ("Attempt to convert a value (PerReplica...)", keras-team/keras
+        # #20585). A local replica's batch has the same shapes.
+        if iterator is not None and data_batch is None and _multi_worker(getattr(self, "_distribute_strategy", None)):
+            data_batch = _local_batch(iterator)
+            iterator = None
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def train_step(self, *args):
         if _step.unwrap(self.optimizer)[0] is None:
-            return super().train_step(*args)
-        return _step.train_step(self, *args)
+            return _replica_axis(self, super().train_step(*args))
+        return _replica_axis(self, _step.train_step(self, *args))
+
+    def test_step(self, *args):
+        return _replica_axis(self, super().test_step(*args))
 
 
 @keras.saving.register_keras_serializable(package="keras_geosam")
@@ -203,6 +277,12 @@ class Sequential(TwoPassStepMixin, keras.Sequential):
     >>> isinstance(model, keras.Sequential), "grad_cosine" in history.history
     (True, True)
     """
+
+    def __init__(self, *args, **kwargs):
+        from keras_geosam.distribution import layout_errors
+
+        with layout_errors():  # layers given with an Input build here
+            super().__init__(*args, **kwargs)
 
 
 def attach(model):

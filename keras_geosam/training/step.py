@@ -125,7 +125,10 @@ def _is_float(value):
 def _sam_statistics(r):
     nc, np_ = ops.sqrt(r["sq_c"]), ops.sqrt(r["sq_p"])
     cos = r["dot"] / (nc * np_ + 1e-30)
-    gap = ops.cast(r["loss_p"], "float32") - ops.cast(r["loss_c"], "float32")
+    # Under tf.distribute both losses are scaled by 1/replicas (as the loss
+    # tracker's is); unscaled, the replicas' mean is the global gap.
+    unscale = keras.src.losses.loss.unscale_loss_for_distribution
+    gap = ops.cast(unscale(r["loss_p"]), "float32") - ops.cast(unscale(r["loss_c"]), "float32")
     return {"sharpness_gap": gap, "grad_norm": nc, "grad_cosine": cos}
 
 
