@@ -175,13 +175,16 @@ class Capture:
             if rule.kernel is None:
                 out.append(None)
                 continue
-            rows = [rule.rows(r) for r in calls]
+            # In the weights' dtype: under a mixed policy layers see float16 /
+            # bfloat16 inputs, but curvature statistics are sums of squares
+            # that need float32 (and torch's einsum does not promote).
+            rows = [ops.cast(rule.rows(r), rule.kernel.dtype) for r in calls]
             out.append(rows[0] if len(rows) == 1 else ops.concatenate(rows, axis=1))
         return out
 
     def _deltas(self, rule, i, records, deltas, slot):
         calls = len(records[i])
-        d = [rule.delta_rows(deltas[slot[(i, c)]]) for c in range(calls)]
+        d = [ops.cast(rule.delta_rows(deltas[slot[(i, c)]]), rule.kernel.dtype) for c in range(calls)]
         return d[0] if calls == 1 else ops.concatenate(d, axis=2)
 
     def body_statistics(self, params, nt, x, y, key, offset, bases, *, kind, num_samples, kernel_diag, other_diag, factors, quad, shapes):
