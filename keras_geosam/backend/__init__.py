@@ -29,6 +29,8 @@ a list of backend tensors:
 - ``compile(fn)`` -> a compiled version of a pure function (or ``fn`` itself)
 - ``replica_count()`` / ``all_reduce_sum(tensors)``: tf.distribute replicas
   (a step's gradients are per-replica there); 1 / identity elsewhere
+- ``device_constant(value)``: a NumPy value on the device, placed
+  explicitly (no implicit host transfer inside a loop on JAX)
 - ``distribute_batch(a)``: a streamed data batch as a tensor, split over the
   devices of an active JAX ``keras.distribution`` (data-parallel estimators)
 - ``data_parallel_shards(model=None)``: devices one process's batch is split over
@@ -36,7 +38,7 @@ a list of backend tensors:
 - ``process_count()``: processes in a multi-process JAX job (1 elsewhere)
 - ``save_from_primary(save)``: runs ``save()`` on process 0 only under
   multi-process JAX (every process waits); ``save()`` elsewhere
-- ``cond_apply(pred, apply_fn, skip_fn, args)``: a conditional optimizer
+- ``cond_apply(pred, apply_fn, skip_fn, args, state=())``: a conditional optimizer
   update that is legal under tf.distribute
 """
 
@@ -72,6 +74,7 @@ replica_count = _impl.replica_count
 all_reduce_sum = _impl.all_reduce_sum
 cond_apply = _impl.cond_apply
 distribute_batch = _impl.distribute_batch
+device_constant = _impl.device_constant
 save_from_primary = _impl.save_from_primary
 process_count = _impl.process_count
 data_parallel_shards = _impl.data_parallel_shards
@@ -94,6 +97,7 @@ __all__ = [
     "all_reduce_sum",
     "cond_apply",
     "distribute_batch",
+    "device_constant",
     "save_from_primary",
     "process_count",
     "data_parallel_shards",

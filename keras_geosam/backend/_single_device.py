@@ -8,6 +8,11 @@ no per-replica gradients to reduce and no cross-replica context to respect.
 from keras import ops
 
 
+def device_constant(value):
+    """A NumPy value as a tensor."""
+    return ops.convert_to_tensor(value)
+
+
 def distribute_batch(a):
     """A streamed data batch as a tensor (no data-parallel placement)."""
     return ops.convert_to_tensor(a)
@@ -36,6 +41,7 @@ def all_reduce_sum(tensors):
     return list(tensors)
 
 
-def cond_apply(pred, apply_fn, skip_fn, args):
-    """Runs ``apply_fn(*args)`` if `pred` else ``skip_fn()``."""
+def cond_apply(pred, apply_fn, skip_fn, args, state=()):
+    """Runs ``apply_fn(*args)`` if `pred` else ``skip_fn()`` (`state`: the
+    variables either may write; unused here)."""
     ops.cond(pred, lambda: apply_fn(*args), skip_fn)

@@ -77,6 +77,14 @@ def compile(fn):
     return jax.jit(fn)
 
 
+def device_constant(value):
+    """A NumPy value sent to the device explicitly (a Python or NumPy
+    scalar handed to a compiled function would be an implicit transfer)."""
+    import numpy as np
+
+    return jax.device_put(np.asarray(value))
+
+
 def distribute_batch(a):
     """A streamed data batch placed for the active ``keras.distribution``.
 
@@ -92,7 +100,8 @@ def distribute_batch(a):
 
     distribution = keras.distribution.distribution()
     if distribution is None:
-        return keras.ops.convert_to_tensor(a)
+        # Host data is sent explicitly (never an implicit transfer).
+        return a if isinstance(a, jax.Array) else jax.device_put(np.asarray(a))
     if isinstance(a, jax.Array) and not a.is_fully_addressable:
         return a  # already a global array
     a = np.asarray(a)

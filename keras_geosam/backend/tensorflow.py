@@ -152,7 +152,7 @@ def all_reduce_sum(tensors):
     return ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(tensors))
 
 
-def cond_apply(pred, apply_fn, skip_fn, args):
+def cond_apply(pred, apply_fn, skip_fn, args, state=()):
     """Runs ``apply_fn(*args)`` if `pred` else ``skip_fn()``, where apply_fn
     may contain a synchronisation point (an optimizer's apply).
 
@@ -198,6 +198,7 @@ def data_parallel_shards(model=None):
     return 1 if strategy is None else int(strategy.num_replicas_in_sync)
 
 
+from keras_geosam.backend._single_device import device_constant  # noqa: E402,F401
 from keras_geosam.backend._single_device import distribute_batch  # noqa: E402,F401
 from keras_geosam.backend._single_device import process_count  # noqa: E402,F401
 from keras_geosam.backend._single_device import save_from_primary  # noqa: E402,F401

@@ -21,6 +21,12 @@ def _fill(grads, params):
 # Convolutions run as fast inside compiled loops as outside.
 slow_convolutions_in_loops = False
 
+# Eager torch decides a branch on the host: on an accelerator every
+# data-dependent ``if`` is a synchronisation, which a step avoids by running
+# both branches and selecting (cond_apply). On the CPU there is nothing to
+# wait for, and the branch is cheaper.
+BRANCH_FREE = torch.cuda.is_available()
+
 
 def value_and_grad(f, params, *args, has_aux=False):
     with torch.enable_grad():
@@ -194,9 +200,34 @@ def compile(fn):
     return fn
 
 
+def cond_apply(pred, apply_fn, skip_fn, args, state=()):
+    """``apply_fn(*args)`` if `pred` else ``skip_fn()``; `state` lists every
+    variable either branch may write.
+
+    With ``BRANCH_FREE`` both run, from the same starting values, and each
+    variable keeps ``where(pred, applied, skipped)``: no host read of
+    `pred` (a non-finite applied value is never selected).
+    """
+    if not BRANCH_FREE:
+        if bool(pred):
+            apply_fn(*args)
+        else:
+            skip_fn()
+        return
+    state = list(state)
+    start = [v.value.clone() for v in state]
+    apply_fn(*args)
+    applied = [v.value.clone() for v in state]
+    for v, value in zip(state, start):
+        v.assign(value)
+    skip_fn()
+    for v, value in zip(state, applied):
+        v.assign(torch.where(pred, value, v.value))
+
+
 # Keras offers no per-replica train step on this backend: gradients are global.
 from keras_geosam.backend._single_device import all_reduce_sum  # noqa: E402,F401
-from keras_geosam.backend._single_device import cond_apply  # noqa: E402,F401
+from keras_geosam.backend._single_device import device_constant  # noqa: E402,F401
 from keras_geosam.backend._single_device import distribute_batch  # noqa: E402,F401
 from keras_geosam.backend._single_device import data_parallel_shards  # noqa: E402,F401
 from keras_geosam.backend._single_device import process_count  # noqa: E402,F401

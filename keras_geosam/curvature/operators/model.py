@@ -18,9 +18,11 @@ Hessian-vector product of a surrogate whose Hessian is the wanted matrix):
 Curvature is taken in inference mode (``training=False``) by default.
 """
 
+import keras
 import numpy as np
 from keras import ops
 
+from keras_geosam import backend
 from keras_geosam.curvature import probes
 from keras_geosam.curvature.capture import Capture
 from keras_geosam.curvature.functional import batches
@@ -79,7 +81,7 @@ class ModelOperator(LinearOperator):
         for xb, yb, nb, offset in self.batches():
             out = fn(xb, yb, offset)
             w = nb / self.num_examples
-            out = [o * scalar(w, o.dtype) for o in out]
+            out = [o * backend.device_constant(np.asarray(w, keras.backend.standardize_dtype(o.dtype))) for o in out]
             total = out if total is None else [t + o for t, o in zip(total, out)]
         return total
 
@@ -230,7 +232,9 @@ class GGN(ModelOperator):
         self._capture = None
 
     def _offset(self, offset):
-        return ops.convert_to_tensor(offset, dtype="int32")
+        # Placed explicitly: a Python int would be an implicit host
+        # transfer on every batch (JAX).
+        return backend.device_constant(np.int32(offset))
 
     def _matmat_batch(self, params, nt, vectors, xb, yb, offset):
         kernel = self.fns.kernel("ggn_batched", kind=self.kind, num_samples=self.num_samples)
