@@ -50,3 +50,17 @@ def seeds():
 @pytest.fixture
 def rng():
     return np.random.default_rng(20240607)
+
+
+@pytest.fixture(params=["branch", "branch_free"])
+def step_branching(request, monkeypatch):
+    """The two ways a torch step can skip a non-finite update: a host-side
+    branch (CPU) or both branches and a select (accelerators, no sync).
+    Other backends have one way; their "branch_free" case is skipped."""
+    if request.param == "branch_free":
+        if keras.backend.backend() != "torch":
+            pytest.skip("a torch-only variant of the step")
+        from keras_geosam.backend import torch as torch_backend
+
+        monkeypatch.setattr(torch_backend, "BRANCH_FREE", True)
+    return request.param

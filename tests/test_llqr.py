@@ -586,7 +586,7 @@ def test_building_and_refreshing_gives_no_dtype_warnings():
 
 
 @pytest.mark.parametrize("structure", ["diagonal", "kfac"])
-def test_a_skipped_step_leaves_u_and_the_refresh_count_alone(structure):
+def test_a_skipped_step_leaves_u_and_the_refresh_count_alone(structure, step_branching):
     """A NaN batch on a refresh-due step: U, `refreshes` and every optimizer
     variable stay as they were, and the refresh happens on the next finite
     step, so [NaN, good, good] equals an uninterrupted [good, good]."""
@@ -670,7 +670,7 @@ def test_refresh_until_stops_refreshing():
         kg.optimizers.LLQR(sgd(), refresh_until=0)
 
 
-def test_a_loss_scale_overflow_on_a_due_step_leaves_u_alone():
+def test_a_loss_scale_overflow_on_a_due_step_leaves_u_alone(step_branching):
     """mixed_float16: an overflowing (here NaN) batch on a refresh-due step is
     skipped by the loss-scale path too: the scale halves, U and `refreshes`
     stay, and the refresh happens on the next finite step."""

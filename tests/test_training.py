@@ -274,7 +274,7 @@ def test_kg_model_with_a_plain_optimizer_trains_like_keras():
 
 
 # ----------------------------------------------------------- non-finite ----
-def test_nan_batch_alone_is_skipped():
+def test_nan_batch_alone_is_skipped(step_branching):
     x, y = ref.make_data(23, 8, 4, 3)
     x[3, 1] = np.nan
     model, init = compiled(BN_NET, kg.optimizers.SAM(keras.optimizers.SGD(0.1, momentum=0.9), rho=0.3))
@@ -289,7 +289,7 @@ def test_nan_batch_alone_is_skipped():
 
 
 @pytest.mark.parametrize("kind", ["sam", "fsam"])
-def test_nan_batch_is_skipped_and_training_continues(kind):
+def test_nan_batch_is_skipped_and_training_continues(kind, step_branching):
     """Batches [NaN, good, good] equal the reference on [good, good]: weights,
     momentum, F-SAM's average and BN statistics untouched by the bad batch."""
     hp = {"rho": 0.3, "sigma": 1.0, "momentum": 0.9}
@@ -311,7 +311,7 @@ def test_nan_batch_is_skipped_and_training_continues(kind):
 
 # ------------------------------------------------------ mixed precision ----
 @pytest.mark.parametrize("kind", ["sam", "fisher"])
-def test_mixed_float16_trains_and_matches_float32(kind, restore_policy):
+def test_mixed_float16_trains_and_matches_float32(kind, restore_policy, step_branching):
     """The loss scale is applied to both passes and removed from both
     gradients (Fisher-SAM's perturbation is not scale-invariant)."""
     x, y = ref.make_data(25, 16, 4, 3)

@@ -197,7 +197,8 @@ def stateful_train_step(model, data):
         if lso is not None:
             lso._stateful_handle_non_finite_grads()
 
-    backend.cond_apply(r["finite"], apply, skip, (r["g_c"], r["g_p"], r["ntv"]))
+    state = model.trainable_variables + model.non_trainable_variables + model.optimizer.variables
+    backend.cond_apply(r["finite"], apply, skip, (r["g_c"], r["g_p"], r["ntv"]), state=state)
     logs, new_mv = update_metrics(model, r["mv"], r, x, y, sw)
     for v, value in zip(model.metrics_variables, new_mv):
         v.assign(value)
