@@ -48,26 +48,8 @@ def build(optimizer=None, width=8, activation="tanh"):
     return model
 
 
-def flat(values):
-    import keras
-
-    return np.concatenate([np.ravel(keras.ops.convert_to_numpy(v)).astype("float64") for v in values]).tolist()
-
-
-def estimates(model, x, y):
-    import keras_geosam as kg
-
-    out = {}
-    for name, fn in (
-        ("hessian_trace", lambda: kg.sharpness.hessian_trace(model, x, y, num_probes=6, rtol=None, seed=2, batch_size=12)),
-        ("rs_kfac", lambda: kg.sharpness.riemannian_sharpness(model, x, y, metric="kfac", num_probes=6, rtol=None, seed=2, batch_size=12)),
-        ("rs_diagonal", lambda: kg.sharpness.riemannian_sharpness(model, x, y, metric="diagonal", num_probes=6, rtol=None, seed=2, batch_size=12)),
-    ):
-        est = fn()
-        out[name] = [float(est.value), float(est.stderr)]
-    out["fisher_diagonal"] = flat(kg.sharpness.fisher_diagonal(model, x, y, batch_size=12))
-    out["fisher_diagonal_mc"] = flat(kg.sharpness.fisher_diagonal(model, x, y, kind="mc", seed=4, batch_size=12))
-    return out
+from distributed_estimates import estimates  # noqa: E402
+from distributed_estimates import flat  # noqa: E402
 
 
 def logged(x, y):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import keras
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.skipif(
@@ -62,3 +63,20 @@ def test_uneven_replica_batches_are_refused_before_a_step():
     assert "batch_size=33" in lines[0] and "divisible by 2" in lines[0], lines
     assert "(65 % 32)" in lines[1] and "drop_remainder" in lines[1], lines
     assert lines[2] == "EVEN OK", lines
+
+
+def test_estimators_and_sharpness_logger_use_every_replica(tmp_path):
+    """Under MirroredStrategy each batch's curvature statistics are computed
+    by both replicas on their own devices and summed: the estimators and
+    SharpnessLogger inside a distributed fit equal one device."""
+    worker = os.path.join(os.path.dirname(__file__), "mirrored_sharpness_worker.py")
+    out = tmp_path / "result.json"
+    env = dict(os.environ, KERAS_BACKEND="tensorflow")
+    proc = subprocess.run([sys.executable, worker, str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["mirrored_seen"] == [[0, "device:CPU:0"], [1, "device:CPU:1"]]
+    for name, value in r["single"].items():
+        np.testing.assert_allclose(r["mirrored"][name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+    for key in ("hessian_trace", "hessian_trace_stderr", "riemannian_sharpness", "riemannian_sharpness_stderr", "loss", "sharpness_gap"):
+        np.testing.assert_allclose(r["mirrored_log"][key], r["single_log"][key], rtol=1e-5, atol=1e-6, err_msg=key)

@@ -29,6 +29,9 @@ a list of backend tensors:
 - ``compile(fn)`` -> a compiled version of a pure function (or ``fn`` itself)
 - ``replica_count()`` / ``all_reduce_sum(tensors)``: tf.distribute replicas
   (a step's gradients are per-replica there); 1 / identity elsewhere
+- ``sum_over_replicas(model, fn, x, y, offset)``: a batch's statistic
+  ``fn(x, y, offset, share)`` computed on every tf.distribute replica's
+  share of the batch and summed (the whole batch elsewhere)
 - ``device_constant(value)``: a NumPy value on the device, placed
   explicitly (no implicit host transfer inside a loop on JAX)
 - ``distribute_batch(a)``: a streamed data batch as a tensor, split over the
@@ -75,6 +78,7 @@ all_reduce_sum = _impl.all_reduce_sum
 cond_apply = _impl.cond_apply
 distribute_batch = _impl.distribute_batch
 device_constant = _impl.device_constant
+sum_over_replicas = _impl.sum_over_replicas
 save_from_primary = _impl.save_from_primary
 process_count = _impl.process_count
 data_parallel_shards = _impl.data_parallel_shards
@@ -98,6 +102,7 @@ __all__ = [
     "cond_apply",
     "distribute_batch",
     "device_constant",
+    "sum_over_replicas",
     "save_from_primary",
     "process_count",
     "data_parallel_shards",

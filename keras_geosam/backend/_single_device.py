@@ -8,6 +8,12 @@ no per-replica gradients to reduce and no cross-replica context to respect.
 from keras import ops
 
 
+def sum_over_replicas(model, fn, x, y, offset):
+    """``fn(x, y, offset, None)``: one program sees the whole batch (on JAX
+    the compiled kernels split it over a keras.distribution's devices)."""
+    return fn(x, y, offset, None)
+
+
 def device_constant(value):
     """A NumPy value as a tensor."""
     return ops.convert_to_tensor(value)

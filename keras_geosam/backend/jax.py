@@ -159,5 +159,6 @@ def save_from_primary(save):
 
 # Keras offers no per-replica train step on this backend: gradients are global.
 from keras_geosam.backend._single_device import all_reduce_sum  # noqa: E402,F401
+from keras_geosam.backend._single_device import sum_over_replicas  # noqa: E402,F401
 from keras_geosam.backend._single_device import cond_apply  # noqa: E402,F401
 from keras_geosam.backend._single_device import replica_count  # noqa: E402,F401

@@ -198,6 +198,43 @@ def data_parallel_shards(model=None):
     return 1 if strategy is None else int(strategy.num_replicas_in_sync)
 
 
+def sum_over_replicas(model, fn, x, y, offset):
+    """``sum_r fn(x_r, y_r, offset_r, share_r)`` with the batch split evenly
+    over the replicas of `model`'s tf.distribute strategy (or the current
+    one), each replica computing on its own device; ``share_r`` is its
+    fraction of the batch, ``offset_r`` the global index of its first
+    example. Without a strategy (or a batch smaller than the replicas):
+    ``fn(x, y, offset, None)``."""
+    import numpy as np
+
+    strategy = getattr(model, "_distribute_strategy", None)
+    if strategy is None and tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+    n = int(tf.nest.flatten(x)[0].shape[0])
+    replicas = 1 if strategy is None else int(strategy.num_replicas_in_sync)
+    ctx = tf.distribute.get_replica_context()  # outside every scope: the default one
+    inside_a_replica = ctx is not None and ctx.num_replicas_in_sync > 1
+    if replicas == 1 or n < replicas or inside_a_replica:
+        return fn(x, y, offset, None)
+    bounds = np.linspace(0, n, replicas + 1).astype(int)
+    devices = strategy.extended.worker_devices
+
+    def spread(make):
+        def on_device(ctx):
+            r = ctx.replica_id_in_sync_group
+            with tf.device(devices[r]):  # each replica's share lives on its device
+                return make(r)
+
+        return strategy.experimental_distribute_values_from_function(on_device)
+
+    xs = tf.nest.map_structure(lambda a: spread(lambda r: tf.identity(a[bounds[r]:bounds[r + 1]])), x)
+    ys = None if y is None else spread(lambda r: tf.identity(y[bounds[r]:bounds[r + 1]]))
+    offsets = spread(lambda r: tf.constant(int(offset) + int(bounds[r]), tf.int32))
+    shares = spread(lambda r: tf.constant((bounds[r + 1] - bounds[r]) / n, tf.float64))
+    out = strategy.run(fn, args=(xs, ys, offsets, shares))
+    return tf.nest.map_structure(lambda v: strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None), out)
+
+
 from keras_geosam.backend._single_device import device_constant  # noqa: E402,F401
 from keras_geosam.backend._single_device import distribute_batch  # noqa: E402,F401
 from keras_geosam.backend._single_device import process_count  # noqa: E402,F401

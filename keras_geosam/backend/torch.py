@@ -227,6 +227,7 @@ def cond_apply(pred, apply_fn, skip_fn, args, state=()):
 
 # Keras offers no per-replica train step on this backend: gradients are global.
 from keras_geosam.backend._single_device import all_reduce_sum  # noqa: E402,F401
+from keras_geosam.backend._single_device import sum_over_replicas  # noqa: E402,F401
 from keras_geosam.backend._single_device import device_constant  # noqa: E402,F401
 from keras_geosam.backend._single_device import distribute_batch  # noqa: E402,F401
 from keras_geosam.backend._single_device import data_parallel_shards  # noqa: E402,F401

@@ -78,8 +78,12 @@ class ModelOperator(LinearOperator):
     def _mean_over_batches(self, fn):
         """``sum_b (n_b / N) fn(batch)`` for list-valued `fn`."""
         total = None
-        for xb, yb, nb, offset in self.batches():
+        def share_of(xb, yb, offset, share):
             out = fn(xb, yb, offset)
+            return out if share is None else [o * ops.cast(share, o.dtype) for o in out]
+
+        for xb, yb, nb, offset in self.batches():
+            out = backend.sum_over_replicas(self.fns.model, share_of, xb, yb, offset)
             w = nb / self.num_examples
             out = [o * backend.device_constant(np.asarray(w, keras.backend.standardize_dtype(o.dtype))) for o in out]
             total = out if total is None else [t + o for t, o in zip(total, out)]
@@ -234,7 +238,9 @@ class GGN(ModelOperator):
     def _offset(self, offset):
         # Placed explicitly: a Python int would be an implicit host
         # transfer on every batch (JAX).
-        return backend.device_constant(np.int32(offset))
+        if isinstance(offset, (int, np.integer)):
+            return backend.device_constant(np.int32(offset))
+        return ops.cast(offset, "int32")  # a replica's own offset
 
     def _matmat_batch(self, params, nt, vectors, xb, yb, offset):
         kernel = self.fns.kernel("ggn_batched", kind=self.kind, num_samples=self.num_samples)
@@ -252,8 +258,11 @@ class GGN(ModelOperator):
         (device tensors, not yet divided by N)."""
         params, nt = self.fns.params(), self.fns.non_trainable()
         total = None
+        def sums(xb, yb, offset, _):
+            return self.capture.statistics(params, nt, xb, yb, self._key, self._offset(offset), self.kind, self.num_samples, **options)
+
         for xb, yb, nb, offset in self.batches():
-            out = self.capture.statistics(params, nt, xb, yb, self._key, self._offset(offset), self.kind, self.num_samples, **options)
+            out = backend.sum_over_replicas(self.fns.model, sums, xb, yb, offset)
             total = out if total is None else _add_stats(total, out)
         return total
 
