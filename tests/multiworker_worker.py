@@ -89,6 +89,7 @@ CASES = {
     "ASAM_global": (asam, "global", "arrays"),
     "SAM_global_dataset": (sam, "global", "dataset"),
     "SAM_global_fn": (sam, "global", "fn"),
+    "SAM_global_attached": (sam, "global", "attached"),
 }
 
 
@@ -108,13 +109,17 @@ def per_worker_batches(arrays):
 
 def run(make_opt, perturbation, source):
     with strategy.scope():
-        model = kg.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+        # "attached": a plain keras.Sequential given the step by kg.attach.
+        cls = keras.Sequential if source == "attached" else kg.Sequential
+        model = cls([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+        if source == "attached":
+            kg.attach(model)
         w = np.random.default_rng(1)
         model.set_weights([0.5 * w.normal(size=v.shape).astype("float32") for v in model.trainable_variables])
         model.compile(
             optimizer=make_opt(perturbation), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         )
-    if source == "arrays":
+    if source in ("arrays", "attached"):
         # Validation runs Keras' test step (evaluate) under the strategy too.
         history = model.fit(
             x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, validation_data=(x[:BATCH], y[:BATCH])

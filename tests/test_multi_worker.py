@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 
 WORKER = os.path.join(os.path.dirname(__file__), "multiworker_worker.py")
 TIMEOUT = 300  # seconds for all three processes together (15-70 s on 2 shared cores)
-GLOBAL = ("SAM_global", "FSAM_global", "ASAM_global", "SAM_global_dataset", "SAM_global_fn")
+GLOBAL = ("SAM_global", "FSAM_global", "ASAM_global", "SAM_global_dataset", "SAM_global_fn", "SAM_global_attached")
 
 
 def _free_ports(n):

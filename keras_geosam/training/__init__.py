@@ -108,6 +108,17 @@ def _multi_worker(strategy):
     return _collective_all_reduce_multi_worker(strategy)
 
 
+def _first_batch_for_build(model, iterator, data_batch):
+    """TensorFlow trainer only. Keras 3.15 takes the shapes of the first
+    distributed batch from strategy.reduce("MEAN", batch), which
+    MultiWorkerMirroredStrategy cannot do on a nested (x, y) structure
+    ("Attempt to convert a value (PerReplica...)", keras-team/keras#20585).
+    A local replica's batch has the same shapes."""
+    if iterator is not None and data_batch is None and _multi_worker(getattr(model, "_distribute_strategy", None)):
+        return None, _local_batch(iterator)
+    return iterator, data_batch
+
+
 def _replica_axis(model, logs):
     """A step's logs, given a leading replica axis under a multi-worker
     strategy. Keras 3.15 averages them over multi-worker replicas with
@@ -174,14 +185,7 @@ class TwoPassStepMixin:
             return super().fit(*args, **_with_refresh_monitor(self, kwargs))
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # TensorFlow trainer only. Keras 3.15 takes the shapes of the first
-        # distributed batch from strategy.reduce("MEAN", batch), which
-        # MultiWorkerMirroredStrategy cannot do on a nested (x, y) structure
-        # ("Attempt to convert a value (PerReplica...)", keras-team/keras
-        # #20585). A local replica's batch has the same shapes.
-        if iterator is not None and data_batch is None and _multi_worker(getattr(self, "_distribute_strategy", None)):
-            data_batch = _local_batch(iterator)
-            iterator = None
+        iterator, data_batch = _first_batch_for_build(self, iterator, data_batch)
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def train_step(self, *args):
@@ -334,14 +338,23 @@ def attach(model):
     if not isinstance(model, keras.Model):
         raise TypeError(f"kg.attach needs a keras.Model, got {type(model).__name__}.")
     stock_step = type(model).train_step
+    stock_test_step = type(model).test_step
+    stock_build = getattr(type(model), "_maybe_symbolic_build", None)
     stock_compile = model.compile
     stock_result = type(model).get_metrics_result
     stock_fit = model.fit
 
     def train_step(self, *args):
         if _step.unwrap(self.optimizer)[0] is None:
-            return stock_step(self, *args)
-        return _step.train_step(self, *args)
+            return _replica_axis(self, stock_step(self, *args))
+        return _replica_axis(self, _step.train_step(self, *args))
+
+    def test_step(self, *args):
+        return _replica_axis(self, stock_test_step(self, *args))
+
+    def maybe_symbolic_build(self, iterator=None, data_batch=None):
+        iterator, data_batch = _first_batch_for_build(self, iterator, data_batch)
+        return stock_build(self, iterator=iterator, data_batch=data_batch)
 
     def compile(*args, **kwargs):
         stock_compile(*args, **kwargs)
@@ -351,10 +364,17 @@ def attach(model):
         return _metrics_result(self, stock_result(self))
 
     def fit(*args, **kwargs):
-        return stock_fit(*args, **_with_refresh_monitor(model, kwargs))
+        from keras_geosam.distribution import layout_errors
+
+        _check_fit_batches(model, args, kwargs)
+        with layout_errors():
+            return stock_fit(*args, **_with_refresh_monitor(model, kwargs))
 
     object.__setattr__(model, "fit", fit)
     object.__setattr__(model, "train_step", types.MethodType(train_step, model))
+    object.__setattr__(model, "test_step", types.MethodType(test_step, model))
+    if stock_build is not None:  # the TensorFlow trainer's
+        object.__setattr__(model, "_maybe_symbolic_build", types.MethodType(maybe_symbolic_build, model))
     object.__setattr__(model, "get_metrics_result", types.MethodType(get_metrics_result, model))
     object.__setattr__(model, "compile", compile)
     object.__setattr__(model, "_geosam_attached", True)
