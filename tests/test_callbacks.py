@@ -345,3 +345,16 @@ def test_refresh_monitor_is_silent_without_u():
     assert "refreshes" not in h.history
     with pytest.raises(ValueError, match="prefix"):
         kg.callbacks.RefreshMonitor(prefix=1)
+
+
+def test_refresh_monitor_keeps_keras_asynchronous_dispatch():
+    """No batch-end hook: Keras does not read every step's logs on the host
+    because of it (it waits for the device only around due steps)."""
+    import keras
+
+    from keras_geosam.callbacks import RefreshMonitor
+
+    model = _llqr_model(False, refresh_every=3)
+    plain = keras.callbacks.CallbackList([], model=model)
+    ours = keras.callbacks.CallbackList([RefreshMonitor()], model=model)
+    assert ours._async_train == plain._async_train

@@ -38,6 +38,7 @@ a list of backend tensors:
   devices of an active JAX ``keras.distribution`` (data-parallel estimators)
 - ``data_parallel_shards(model=None)``: devices one process's batch is split over
   (JAX keras.distribution batch axis, tf.distribute replicas; 1 elsewhere)
+- ``wait_for_step(model)``: blocks until the steps ``fit`` queued have run
 - ``process_count()``: processes in a multi-process JAX job (1 elsewhere)
 - ``save_from_primary(save)``: runs ``save()`` on process 0 only under
   multi-process JAX (every process waits); ``save()`` elsewhere
@@ -81,6 +82,7 @@ device_constant = _impl.device_constant
 sum_over_replicas = _impl.sum_over_replicas
 save_from_primary = _impl.save_from_primary
 process_count = _impl.process_count
+wait_for_step = _impl.wait_for_step
 data_parallel_shards = _impl.data_parallel_shards
 
 __all__ = [
@@ -105,5 +107,6 @@ __all__ = [
     "sum_over_replicas",
     "save_from_primary",
     "process_count",
+    "wait_for_step",
     "data_parallel_shards",
 ]

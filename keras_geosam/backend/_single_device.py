@@ -24,6 +24,12 @@ def distribute_batch(a):
     return ops.convert_to_tensor(a)
 
 
+def wait_for_step(model):
+    """Blocks until the steps queued by ``fit`` have run (reading the step
+    counter waits for every op that writes it)."""
+    ops.convert_to_numpy(model.optimizer.iterations)
+
+
 def process_count():
     """Processes in the job (one)."""
     return 1

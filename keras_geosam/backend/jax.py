@@ -114,6 +114,14 @@ def distribute_batch(a):
     return jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
 
 
+def wait_for_step(model):
+    """Blocks until the steps queued by ``fit`` have run (Keras' JAX
+    trainer keeps the newest state in ``model._jax_state`` during fit)."""
+    state = getattr(model, "_jax_state", None) or {}
+    values = state.get("optimizer_variables") or [v.value for v in model.optimizer.variables]
+    jax.block_until_ready(values)
+
+
 def process_count():
     """Processes in the job (``jax.distributed``)."""
     return jax.process_count()

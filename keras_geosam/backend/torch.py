@@ -232,5 +232,6 @@ from keras_geosam.backend._single_device import device_constant  # noqa: E402,F4
 from keras_geosam.backend._single_device import distribute_batch  # noqa: E402,F401
 from keras_geosam.backend._single_device import data_parallel_shards  # noqa: E402,F401
 from keras_geosam.backend._single_device import process_count  # noqa: E402,F401
+from keras_geosam.backend._single_device import wait_for_step  # noqa: E402,F401
 from keras_geosam.backend._single_device import save_from_primary  # noqa: E402,F401
 from keras_geosam.backend._single_device import replica_count  # noqa: E402,F401

@@ -1,6 +1,5 @@
 """RefreshMonitor: U's refresh count and the wall time refreshes cost, in ``logs``."""
 
-import statistics
 import time
 
 import keras
@@ -20,9 +19,12 @@ class RefreshMonitor(keras.callbacks.Callback):
     - ``refreshes``: U's refresh count, read from the optimizer's variable
       at the end of the epoch (exact, saved with the optimizer).
     - ``refresh_seconds``: wall time of the refreshes in this ``fit`` so
-      far: for every step that was due a refresh, its time (synchronised
-      with the device) minus the median time of the steps without one
-      (settled at the epoch's end, so the total never decreases).
+      far: for every step that was due a refresh, its time (the device is
+      waited for before and after it) minus the mean time of the steps
+      without one (settled at the epoch's end, so the total never
+      decreases). Only due steps and epoch ends wait for the device: the
+      callback has no batch-end hook, so Keras keeps dispatching steps
+      asynchronously.
       Which steps are due is followed on the host from the optimizer's
       step count at the start of ``fit``, so no step reads the device. The
       first step of a ``fit`` also compiles the step, so a refresh there is
@@ -78,12 +80,11 @@ class RefreshMonitor(keras.callbacks.Callback):
         self._step = int(keras.ops.convert_to_numpy(opt.iterations))
         self._micro = int(keras.ops.convert_to_numpy(base._iterations)) % self._k if self._k > 1 else 0
         self._per_call = int(getattr(self.model, "steps_per_execution", 1) or 1)
-        self._first = True
         self.due_steps = 0
-        self._plain = []
+        self._kind = None  # what the interval since the last wait holds
         self._due_times = []
+        self._plain_time, self._plain_calls = 0.0, 0
         self._seconds = 0.0
-        self._last_logs = None
 
     def _due_and_advance(self):
         pre = self._optimizer.preconditioner
@@ -97,44 +98,51 @@ class RefreshMonitor(keras.callbacks.Callback):
                 self._step += 1
         return due
 
-    @staticmethod
-    def _sync(logs):
-        # Waiting for one output of a step waits for the whole step.
-        for value in (logs or {}).values():
-            keras.ops.convert_to_numpy(value)
-            return
+    def _wait(self):
+        """Waits for the queued steps; returns the time."""
+        from keras_geosam import backend
+
+        backend.wait_for_step(self.model)
+        return time.perf_counter()
+
+    def _close(self, now):
+        if self._kind == "due":
+            self._due_times.append(now - self._t)
+        elif self._kind == "plain" and self._calls:
+            self._plain_time += now - self._t
+            self._plain_calls += self._calls
 
     def on_train_batch_begin(self, batch, logs=None):
+        # Only "begin" hooks: a batch-end hook would make Keras read every
+        # step's logs on the host (no asynchronous dispatch). The device is
+        # waited for only around due steps and after the first step.
         if self._optimizer is None:
             return
-        self._due = self._due_and_advance()
-        self.due_steps += int(self._due)
-        if self._due:
-            self._sync(self._last_logs)
-        self._t0 = time.perf_counter()
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self._optimizer is None:
-            return
-        if self._due:
-            self._sync(logs)
-        seconds = time.perf_counter() - self._t0
-        if self._first:
-            self._first = False  # compilation, not refresh time
-        elif self._due:
-            self._due_times.append(seconds)
+        due = self._due_and_advance()
+        self.due_steps += int(due)
+        if self._kind is None:  # the first call of fit compiles: not timed
+            self._t, self._kind, self._calls = self._wait(), "compile", 1
+        elif due or self._kind != "plain":
+            now = self._wait()
+            self._close(now)
+            self._t, self._kind, self._calls = now, ("due" if due else "plain"), 1
         else:
-            self._plain.append(seconds)
-        self._last_logs = logs
+            self._calls += 1
+
+    def on_test_begin(self, logs=None):
+        # Validation inside fit is not a training step.
+        if self._optimizer is not None and self._kind not in (None, "paused"):
+            self._close(self._wait())
+            self._kind = "paused"
 
     def refresh_seconds(self):
         """Wall time attributed to refreshes so far in this ``fit``. Each
-        due step is settled once, against the median of the plain steps
+        due step is settled once, against the mean of the plain steps
         seen by then, so the total never decreases."""
         if self._optimizer is None:
             return 0.0
-        if self._due_times and self._plain:
-            typical = statistics.median(self._plain)
+        if self._due_times and self._plain_calls:
+            typical = self._plain_time / self._plain_calls
             self._seconds += sum(max(t - typical, 0.0) for t in self._due_times)
             self._due_times = []
         return float(self._seconds)
@@ -142,5 +150,8 @@ class RefreshMonitor(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if self._optimizer is None or logs is None:
             return
+        if self._kind not in (None, "paused"):
+            self._close(self._wait())
+            self._kind = "paused"
         logs[self.prefix + "refreshes"] = float(keras.ops.convert_to_numpy(self._optimizer.refreshes))
         logs[self.prefix + "refresh_seconds"] = self.refresh_seconds()
