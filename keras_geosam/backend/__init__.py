@@ -24,6 +24,8 @@ a list of backend tensors:
   matrix, with the fastest solver for the device
 - ``per_example_grads(f, params, *batch)`` -> gradients of ``f(params, *example)``
   for every example along axis 0 of ``batch`` (vectorised, no Python loop)
+- ``eager_steps``: True where a train step runs eagerly (torch), so its
+  branches are decided on the host
 - ``slow_convolutions_in_loops``: True where a compiled loop over a
   convolutional network should be unrolled (XLA:CPU)
 - ``compile(fn)`` -> a compiled version of a pure function (or ``fn`` itself)
@@ -74,6 +76,7 @@ per_example_grads = _impl.per_example_grads
 eigh = _impl.eigh
 compile = _impl.compile
 slow_convolutions_in_loops = _impl.slow_convolutions_in_loops
+eager_steps = _impl.eager_steps
 replica_count = _impl.replica_count
 all_reduce_sum = _impl.all_reduce_sum
 cond_apply = _impl.cond_apply
@@ -99,6 +102,7 @@ __all__ = [
     "eigh",
     "compile",
     "slow_convolutions_in_loops",
+    "eager_steps",
     "replica_count",
     "all_reduce_sum",
     "cond_apply",

@@ -9,6 +9,10 @@ import jax
 slow_convolutions_in_loops = jax.default_backend() == "cpu"
 
 
+# Steps are traced and compiled: their branches stay on the device.
+eager_steps = False
+
+
 def value_and_grad(f, params, *args, has_aux=False):
     """Returns ``(value, grads)`` or, with ``has_aux``, ``((value, aux), grads)``."""
     return jax.value_and_grad(f, has_aux=has_aux)(params, *args)

@@ -9,6 +9,10 @@ _ZERO = tf.UnconnectedGradients.ZERO
 slow_convolutions_in_loops = False
 
 
+# Steps are traced and compiled: their branches stay on the device.
+eager_steps = False
+
+
 def value_and_grad(f, params, *args, has_aux=False):
     with tf.GradientTape() as tape:
         tape.watch(params)

@@ -21,6 +21,10 @@ def _fill(grads, params):
 # Convolutions run as fast inside compiled loops as outside.
 slow_convolutions_in_loops = False
 
+
+# Steps run eagerly: a data-dependent branch in a step is decided on the host.
+eager_steps = True
+
 # Eager torch decides a branch on the host: on an accelerator every
 # data-dependent ``if`` is a synchronisation, which a step avoids by running
 # both branches and selecting (cond_apply). On the CPU there is nothing to

@@ -8,6 +8,7 @@ step: U's variables are created as optimizer variables, the in-step refresh
 runs before the centre pass, and the descent direction is ``U g``.
 """
 
+from keras_geosam import backend
 from keras_geosam.optimizers.base import TwoPassOptimizer
 from keras_geosam.preconditioner import OPTIONS
 from keras_geosam.preconditioner import LearnedPreconditioner
@@ -51,7 +52,41 @@ class PreconditionedOptimizer(TwoPassOptimizer):
         return due
 
     def prepare_step(self, model, values, non_trainable, x, y):
+        if backend.eager_steps and self.preconditioner.refresh_source == "step" and not self._maybe_due():
+            return []  # certainly not due: no condition to read on the host
         return self.preconditioner.prepare_step(self.refresh_due(), model, values, non_trainable, x, y)
+
+    def _maybe_due(self):
+        """Eager steps (torch) decide ``refresh_due`` on the host, which on
+        an accelerator means waiting for the device. The host instead keeps
+        bounds on the step counter: it advances by at most one per step and
+        stays put on a skipped step. Only when a due step lies within the
+        bounds is the counter read (and the bounds collapse to it): about
+        twice per refresh period instead of every step."""
+        from keras import ops
+
+        bounds = self.__dict__.get("_step_bounds")  # the counter's range at this call
+        every, until = self.preconditioner.refresh_every, self.preconditioner.refresh_until
+        if bounds is not None:
+            low, high = bounds
+            never = until is not None and low >= until
+            if never or -(-low // every) * every > high:  # no multiple of `every` in [low, high]
+                self._step_bounds = (low, high + 1)
+                return False
+        step = int(ops.convert_to_numpy(self.iterations))
+        self._step_bounds = (step, step + 1)
+        return True
+
+    def _forget_step_bounds(self):
+        self.__dict__.pop("_step_bounds", None)
+
+    def load_own_variables(self, store):
+        self._forget_step_bounds()  # the counter may change under the host
+        super().load_own_variables(store)
+
+    def set_weights(self, weights):
+        self._forget_step_bounds()
+        super().set_weights(weights)
 
     def precondition(self, vectors):
         """U v for a list like the trainable variables."""
