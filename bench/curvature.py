@@ -41,11 +41,10 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 
-BACKENDS = ("jax", "tensorflow", "torch")
+from _backends import run_each_backend  # noqa: E402  (bench/ is the script's own folder)
 BATCH = 256
 # Goals (issue "trustworthy sharpness"): ratio -> bound, per model.
 GOALS = {
@@ -659,24 +658,8 @@ def machine_line(results=None):
 
 # ----------------------------------------------------------------- main ---
 def run_all(args):
-    results, failed = [], []
-    for b in BACKENDS:
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-            path = f.name
-        cmd = [sys.executable, os.path.abspath(__file__), "--json", path] + (["--quick"] if args.quick else [])
-        if args.threads:
-            cmd += ["--threads", str(args.threads)]
-        env = dict(os.environ, KERAS_BACKEND=b, TF_CPP_MIN_LOG_LEVEL="2")
-        log(f"=== {b} ===")
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, stdout=sys.stderr)
-        log(f"=== {b}: {time.perf_counter() - t0:.0f} s, exit {proc.returncode} ===")
-        if proc.returncode == 0:
-            with open(path) as f:
-                results.append(json.load(f))
-        else:
-            failed.append(b)
-        os.unlink(path)
+    extra = (["--quick"] if args.quick else []) + (["--threads", str(args.threads)] if args.threads else [])
+    results, failed = run_each_backend(__file__, extra)
     if results:
         print(f"Machine: {machine_line(results)}\n")
         print(markdown(results))

@@ -50,13 +50,11 @@ import math
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import warnings
 
-BACKENDS = ("jax", "tensorflow", "torch")
+from _backends import run_each_backend  # noqa: E402  (bench/ is the script's own folder)
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 LR, MOMENTUM, RHO = 0.01, 0.9, 0.05
 ASAM_RHO = 0.5  # the ASAM paper's CIFAR radius, as bench/sam_step.py
@@ -595,23 +593,9 @@ def machine_line(results):
 
 # ----------------------------------------------------------------- main ---
 def run_all(args):
-    results, failed = [], []
-    for b in BACKENDS:
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-            path = f.name
-        cmd = [sys.executable, os.path.abspath(__file__), "--json", path, "--policies", args.policies]
-        cmd += (["--quick"] if args.quick else []) + (["--batch", str(args.batch)] if args.batch else [])
-        env = dict(os.environ, KERAS_BACKEND=b, TF_CPP_MIN_LOG_LEVEL="2")
-        log(f"=== {b} ===")
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, stdout=sys.stderr)
-        log(f"=== {b}: {time.perf_counter() - t0:.0f} s, exit {proc.returncode} ===")
-        if proc.returncode == 0:
-            with open(path) as f:
-                results.append(json.load(f))
-        else:
-            failed.append(b)
-        os.unlink(path)
+    extra = ["--policies", args.policies] + (["--quick"] if args.quick else [])
+    extra += ["--batch", str(args.batch)] if args.batch else []
+    results, failed = run_each_backend(__file__, extra)
     if results:
         print(f"Machine: {machine_line(results)}\n")
         print(markdown(results))

@@ -26,13 +26,11 @@ Per backend, on MLPs 784-w-w-10 (ReLU, batch 128, random data):
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 
-BACKENDS = ("jax", "tensorflow", "torch")
+from _backends import run_each_backend  # noqa: E402  (bench/ is the script's own folder)
 BATCH = 128
 REFRESH_EVERY = 1000
 
@@ -228,38 +226,22 @@ def main():
     p.add_argument("--refresh-goals", action="store_true", help="refresh time in SGD steps against the goals")
     args = p.parse_args()
     if args.refresh_goals:
-        backends = BACKENDS if args.all else (os.environ.get("KERAS_BACKEND", "tensorflow"),)
-        rows = []
-        for b in backends:
-            if not args.all:
-                rows += refresh_goals(3 if args.quick else 5)
-                continue
-            import tempfile
-
-            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-                path = f.name
-            cmd = [sys.executable, __file__, "--refresh-goals", "--json", path] + (["--quick"] if args.quick else [])
-            subprocess.run(cmd, check=True, env=dict(os.environ, KERAS_BACKEND=b))
-            with open(path) as f:
-                rows += json.load(f)
-            os.unlink(path)
+        if args.all:
+            runs, failed = run_each_backend(__file__, ["--refresh-goals"] + (["--quick"] if args.quick else []))
+            if failed:
+                sys.exit(f"backends failed: {', '.join(failed)}")
+            rows = [row for run in runs for row in run]
+        else:
+            rows = refresh_goals(3 if args.quick else 5)
         print(goals_table(rows))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
         return
     if args.all:
-        import tempfile
-
-        results = []
-        for b in BACKENDS:
-            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-                path = f.name
-            cmd = [sys.executable, __file__, "--json", path] + (["--quick"] if args.quick else [])
-            subprocess.run(cmd, check=True, env=dict(os.environ, KERAS_BACKEND=b))
-            with open(path) as f:
-                results.append(json.load(f))
-            os.unlink(path)
+        results, failed = run_each_backend(__file__, ["--quick"] if args.quick else [])
+        if failed:
+            sys.exit(f"backends failed: {', '.join(failed)}")
     else:
         results = [run_backend(args.quick)]
     print(table(results))

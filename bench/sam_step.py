@@ -66,7 +66,7 @@ import tempfile
 import time
 import warnings
 
-BACKENDS = ("jax", "tensorflow", "torch")
+from _backends import run_each_backend  # noqa: E402  (bench/ is the script's own folder)
 MODELS = ("mlp", "cnn")
 DEFAULT_BATCHES = "64,256,1024"
 QUICK_BATCHES = "64"
@@ -678,8 +678,6 @@ def keras_to_torch(np, name, weights):
 
 def torch_batches(keras, np, name, x, y, batch, steps):
     """Keras' device tensors (NHWC) and the peer's (NCHW for the CNN)."""
-    import torch
-
     ks, ts = [], []
     for i in range(steps):
         xb, yb = x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]
@@ -996,22 +994,7 @@ def child_args(args):
 
 def run_all(args):
     load_start = os.getloadavg()
-    results, failed = [], []
-    for b in BACKENDS:
-        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-            path = f.name
-        cmd = [sys.executable, os.path.abspath(__file__), "--json", path] + child_args(args)
-        env = dict(os.environ, KERAS_BACKEND=b, TF_CPP_MIN_LOG_LEVEL="2")
-        log(f"=== {b} ===")
-        t0 = time.perf_counter()
-        proc = subprocess.run(cmd, env=env, stdout=sys.stderr)
-        log(f"=== {b}: {time.perf_counter() - t0:.0f} s, exit {proc.returncode} ===")
-        if proc.returncode == 0:
-            with open(path) as f:
-                results.append(json.load(f))
-        else:
-            failed.append(b)
-        os.unlink(path)
+    results, failed = run_each_backend(__file__, child_args(args))
     load_end = os.getloadavg()
     if results:
         print(machine_line(results, (load_start, load_end)) + "\n")

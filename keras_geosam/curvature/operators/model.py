@@ -32,7 +32,6 @@ from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.functional import num_examples
 from keras_geosam.curvature.losses import require_classifier
 from keras_geosam.curvature.operators.base import LinearOperator
-from keras_geosam.curvature.operators.base import scalar
 from keras_geosam.curvature.operators.structured import EKFAC
 from keras_geosam.curvature.operators.structured import KFAC
 from keras_geosam.curvature.operators.structured import BlockDiagonal
