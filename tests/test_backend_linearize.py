@@ -143,3 +143,25 @@ def test_unrolled_refresh_equals_the_loop():
         np.testing.assert_allclose(ops.convert_to_numpy(a), ops.convert_to_numpy(b), rtol=1e-5, atol=1e-7)
         moved = moved or not np.allclose(ops.convert_to_numpy(a), ops.convert_to_numpy(p))
     assert moved
+
+
+def test_vdot_sums_products_over_a_list_of_tensors():
+    # The gradient norms and dot products of every step: checked against
+    # NumPy float64 in the tensors' dtype, in float32 on request (the step's
+    # statistics), from half precision, and for a single tensor.
+    a = [RNG.normal(size=s) for s in [(7, 5), (5,), (2, 3, 4)]]
+    b = [RNG.normal(size=s) for s in [(7, 5), (5,), (2, 3, 4)]]
+    want = sum(float(np.sum(x * y)) for x, y in zip(a, b))
+    for dtype, tol in (("float32", 1e-6), ("float64", 1e-12)):
+        ta = [ops.convert_to_tensor(x.astype(dtype)) for x in a]
+        tb = [ops.convert_to_tensor(y.astype(dtype)) for y in b]
+        got = backend.vdot(ta, tb)
+        assert ops.convert_to_numpy(got).dtype == np.dtype(dtype)
+        np.testing.assert_allclose(float(got), want, rtol=tol)
+        np.testing.assert_allclose(float(backend.vdot(ta, ta)), sum(float(np.sum(x * x)) for x in a), rtol=tol)
+        np.testing.assert_allclose(float(backend.vdot(ta[:1], tb[:1])), float(np.sum(a[0] * b[0])), rtol=tol)
+    half = [ops.convert_to_tensor(x, "bfloat16") for x in a]
+    got = backend.vdot(half, half, "float32")
+    assert ops.convert_to_numpy(got).dtype == np.float32
+    rounded = [ops.convert_to_numpy(ops.cast(h, "float32")).astype("float64") for h in half]
+    np.testing.assert_allclose(float(got), sum(float(np.sum(r * r)) for r in rounded), rtol=1e-6)

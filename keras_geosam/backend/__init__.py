@@ -44,6 +44,9 @@ a list of backend tensors:
 - ``process_count()``: processes in a multi-process JAX job (1 elsewhere)
 - ``save_from_primary(save)``: runs ``save()`` on process 0 only under
   multi-process JAX (every process waits); ``save()`` elsewhere
+- ``vdot(a, b, dtype=None)``: ``sum_i <a_i, b_i>`` over two lists of
+  like-shaped tensors (norms and dot products of gradients; on torch a few
+  fused calls instead of three Keras ops per tensor)
 - ``cond_apply(pred, apply_fn, skip_fn, args, state=())``: a conditional optimizer
   update that is legal under tf.distribute
 """
@@ -80,6 +83,7 @@ eager_steps = _impl.eager_steps
 replica_count = _impl.replica_count
 all_reduce_sum = _impl.all_reduce_sum
 cond_apply = _impl.cond_apply
+vdot = _impl.vdot
 distribute_batch = _impl.distribute_batch
 device_constant = _impl.device_constant
 sum_over_replicas = _impl.sum_over_replicas
@@ -106,6 +110,7 @@ __all__ = [
     "replica_count",
     "all_reduce_sum",
     "cond_apply",
+    "vdot",
     "distribute_batch",
     "device_constant",
     "sum_over_replicas",

@@ -174,3 +174,6 @@ from keras_geosam.backend._single_device import all_reduce_sum  # noqa: E402,F40
 from keras_geosam.backend._single_device import sum_over_replicas  # noqa: E402,F401
 from keras_geosam.backend._single_device import cond_apply  # noqa: E402,F401
 from keras_geosam.backend._single_device import replica_count  # noqa: E402,F401
+
+
+from keras_geosam.backend._generic import vdot  # noqa: E402,F401

@@ -244,3 +244,6 @@ from keras_geosam.backend._single_device import distribute_batch  # noqa: E402,F
 from keras_geosam.backend._single_device import process_count  # noqa: E402,F401
 from keras_geosam.backend._single_device import wait_for_step  # noqa: E402,F401
 from keras_geosam.backend._single_device import save_from_primary  # noqa: E402,F401
+
+
+from keras_geosam.backend._generic import vdot  # noqa: E402,F401

@@ -19,7 +19,6 @@ unless a keras_geosam step owns it (``kg.Model``, ``kg.Sequential`` or
 """
 
 import keras
-from keras import ops
 
 from keras_geosam._checks import check_number
 
@@ -41,14 +40,6 @@ _BASE_ONLY_KWARGS = {
     "ema_overwrite_frequency": None, "loss_scale_factor": None,
     "gradient_accumulation_steps": None,
 }
-
-
-def global_norm(tensors):
-    return ops.sqrt(sum(ops.sum(ops.square(t)) for t in tensors))
-
-
-def dot(a, b):
-    return sum(ops.sum(x * y) for x, y in zip(a, b))
 
 
 class TwoPassOptimizer(keras.optimizers.Optimizer):

@@ -3,6 +3,8 @@
 import keras
 from keras import ops
 
+from keras_geosam import backend
+
 from keras_geosam.optimizers.base import TwoPassOptimizer
 
 
@@ -56,7 +58,7 @@ class FisherSAM(TwoPassOptimizer):
 
     def perturbation(self, centre_grads, values):
         w = [g / (g * g + self.eta) for g in centre_grads]
-        norm = ops.sqrt(sum(ops.sum(g * x) for g, x in zip(centre_grads, w)) + 1e-12)
+        norm = ops.sqrt(backend.vdot(centre_grads, w) + 1e-12)
         return [(self.rho / norm) * x for x in w]
 
     def get_config(self):

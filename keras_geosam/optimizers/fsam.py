@@ -3,6 +3,7 @@
 import keras
 from keras import ops
 
+from keras_geosam import backend
 from keras_geosam.optimizers.base import TwoPassOptimizer
 
 
@@ -65,7 +66,7 @@ class FSAM(TwoPassOptimizer):
 
     def perturbation(self, centre_grads, values):
         d = [g - self.sigma * ops.cast(m, g.dtype) for g, m in zip(centre_grads, self._average)]
-        norm = ops.sqrt(sum(ops.sum(ops.square(x)) for x in d) + 1e-12)
+        norm = ops.sqrt(backend.vdot(d, d) + 1e-12)
         return [(self.rho / norm) * x for x in d]
 
     def update_state(self, centre_grads, perturbed_grads):

@@ -3,6 +3,7 @@
 import keras
 from keras import ops
 
+from keras_geosam import backend
 from keras_geosam.optimizers.preconditioned import PreconditionedOptimizer
 
 NORMS = ("euclidean", "metric")
@@ -113,9 +114,9 @@ class LLQRSAM(PreconditionedOptimizer):
             v = [g - self.fsam_sigma * ops.cast(m, g.dtype) for g, m in zip(centre_grads, self._average)]
         w = self.precondition(v)
         if self.norm == "euclidean":
-            sq = sum(ops.sum(ops.square(x)) for x in w)
+            sq = backend.vdot(w, w)
         else:
-            sq = sum(ops.sum(a * b) for a, b in zip(v, w))
+            sq = backend.vdot(v, w)
         scale = self.rho / ops.sqrt(sq + 1e-12)
         if self.sam_start_step:
             scale = scale * ops.cast(ops.greater_equal(self.iterations, self.sam_start_step), scale.dtype)

@@ -3,6 +3,8 @@
 import keras
 from keras import ops
 
+from keras_geosam import backend
+
 from keras_geosam.optimizers.base import TwoPassOptimizer
 
 
@@ -64,7 +66,7 @@ class SAM(TwoPassOptimizer):
     def perturbation(self, centre_grads, values):
         T = self._scale(values)
         tg = [g if t is None else t * g for g, t in zip(centre_grads, T)]
-        norm = ops.sqrt(sum(ops.sum(ops.square(x)) for x in tg) + 1e-12)
+        norm = ops.sqrt(backend.vdot(tg, tg) + 1e-12)
         return [
             (self.rho / norm) * (x if t is None else t * x) for x, t in zip(tg, T)
         ]

@@ -45,18 +45,14 @@ def unwrap(optimizer):
     return (optimizer if isinstance(optimizer, TwoPassOptimizer) else None), None
 
 
-def _sum_products(a, b):
-    return sum(ops.sum(ops.cast(x, "float32") * ops.cast(y, "float32")) for x, y in zip(a, b))
-
-
 def _finalise(r):
     """Adds squared norms, their dot product and the finite flag to `r`."""
-    r["sq_c"] = _sum_products(r["g_c"], r["g_c"])
+    r["sq_c"] = backend.vdot(r["g_c"], r["g_c"], "float32")
     if r["g_p"] is r["g_c"]:
         r["sq_p"] = r["dot"] = r["sq_c"]
     else:
-        r["sq_p"] = _sum_products(r["g_p"], r["g_p"])
-        r["dot"] = _sum_products(r["g_c"], r["g_p"])
+        r["sq_p"] = backend.vdot(r["g_p"], r["g_p"], "float32")
+        r["dot"] = backend.vdot(r["g_c"], r["g_p"], "float32")
     # NaN or Inf anywhere in a gradient makes its squared norm non-finite.
     total = ops.cast(r["loss_c"], "float32") + ops.cast(r["loss_p"], "float32") + r["sq_c"] + r["sq_p"]
     r["finite"] = ops.isfinite(total)
@@ -132,29 +128,35 @@ def _sam_statistics(r):
     return {"sharpness_gap": gap, "grad_norm": nc, "grad_cosine": cos}
 
 
+def _update_trackers(model, r, x, y, sw):
+    """Loss tracker, compiled metrics and SAM statistics; returns the logs."""
+    n = ops.shape(next(t for t in keras.tree.flatten(x) if t is not None))[0]
+    model._loss_tracker.update_state(
+        keras.src.losses.loss.unscale_loss_for_distribution(r["loss_c"]), sample_weight=n
+    )
+    stats = _sam_statistics(r)
+    finite = r["finite"]
+    weight = ops.cast(finite, "float32")
+    for name in SAM_METRICS:
+        tracker = getattr(model, "_geosam_" + name, None)
+        if tracker is not None:
+            # A skipped step contributes nothing to the epoch averages.
+            tracker.update_state(ops.where(finite, stats[name], 0.0), sample_weight=weight)
+    skipped = getattr(model, "_geosam_skipped_steps", None)
+    if skipped is not None:
+        skipped.update_state(1.0 - weight)
+    logs = dict(model.compute_metrics(x, y, r["y_pred"], sw))
+    # The step's statistics are reported by training only: they are kept
+    # out of get_metrics_result, so evaluate() returns what Keras would.
+    for tracker in step_trackers(model):
+        logs[tracker.name] = tracker.result()
+    return logs
+
+
 def update_metrics(model, mv, r, x, y, sw):
-    """Loss tracker, compiled metrics and SAM statistics, statelessly."""
-    mapping = list(zip(model.metrics_variables, mv))
-    with keras.StatelessScope(state_mapping=mapping) as scope:
-        n = ops.shape(next(t for t in keras.tree.flatten(x) if t is not None))[0]
-        model._loss_tracker.update_state(
-            keras.src.losses.loss.unscale_loss_for_distribution(r["loss_c"]), sample_weight=n
-        )
-        stats = _sam_statistics(r)
-        finite = r["finite"]
-        for name in SAM_METRICS:
-            tracker = getattr(model, "_geosam_" + name, None)
-            if tracker is not None:
-                # A skipped step contributes nothing to the epoch averages.
-                tracker.update_state(ops.where(finite, stats[name], 0.0), sample_weight=ops.cast(finite, "float32"))
-        skipped = getattr(model, "_geosam_skipped_steps", None)
-        if skipped is not None:
-            skipped.update_state(1.0 - ops.cast(finite, "float32"))
-        logs = dict(model.compute_metrics(x, y, r["y_pred"], sw))
-        # The step's statistics are reported by training only: they are kept
-        # out of get_metrics_result, so evaluate() returns what Keras would.
-        for tracker in step_trackers(model):
-            logs[tracker.name] = tracker.result()
+    """``_update_trackers`` on explicit metric values (the JAX step)."""
+    with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, mv))) as scope:
+        logs = _update_trackers(model, r, x, y, sw)
     new_mv = []
     for v in model.metrics_variables:
         value = scope.get_current_value(v)
@@ -199,10 +201,12 @@ def stateful_train_step(model, data):
 
     state = model.trainable_variables + model.non_trainable_variables + model.optimizer.variables
     backend.cond_apply(r["finite"], apply, skip, (r["g_c"], r["g_p"], r["ntv"]), state=state)
-    logs, new_mv = update_metrics(model, r["mv"], r, x, y, sw)
-    for v, value in zip(model.metrics_variables, new_mv):
-        v.assign(value)
-    return logs
+    # Metrics are variables here: keep what the loss computation wrote (the
+    # per-output loss trackers of a multi-output model), then update in place.
+    for v, before, after in zip(model.metrics_variables, mv, r["mv"]):
+        if after is not before:
+            v.assign(after)
+    return _update_trackers(model, r, x, y, sw)
 
 
 def _loss_scale_grow(lso):

@@ -1,0 +1,15 @@
+"""Implementations in ``keras.ops`` for backends that compile a step (JAX,
+TensorFlow): there the compiler removes the per-op dispatch cost that makes
+a loop of small ops slow on eager torch.
+"""
+
+from keras import ops
+
+
+def vdot(a, b, dtype=None):
+    """``sum_i <a_i, b_i>`` over two lists of like-shaped tensors, computed
+    in `dtype` (default: the tensors' own)."""
+    if dtype is not None:
+        a = [ops.cast(x, dtype) for x in a]
+        b = a if b is a else [ops.cast(y, dtype) for y in b]
+    return sum(ops.sum(x * y) for x, y in zip(a, b))
