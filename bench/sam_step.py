@@ -20,7 +20,7 @@ epoch in one process (a "runner" = one epoch over the same batches):
 - ours through ``kg.Sequential.fit``: ``keras.optimizers.SGD(0.05,
   momentum=0.9)`` (the baseline of every ratio) and SAM (rho 0.05), ASAM
   (rho 0.5), F-SAM, Fisher-SAM (rho 0.05) and LLQR+SAM (rho 0.05; diagonal
-  and K-FAC U) over that SGD, default ``jit_compile``. Per-step time = epoch
+  and K-FAC U) over that SGD, default ``jit_compile`` (``--torch-compile``: True, i.e. torch.compile on torch). Per-step time = epoch
   time / steps (the epoch ends on a host read of the loss, so all queued
   work is included), median over the timed epochs, after one warm-up epoch
   each (compilation). Wall time and process CPU time (all threads; far less
@@ -109,6 +109,7 @@ def settings(args):
     if args.rounds:
         cfg["rounds"] = args.rounds
     cfg.update(batches=batches, models=models, methods=methods, llqr_source=args.llqr_source,
+               jit_compile=True if args.torch_compile else "auto",
                eq_models=[m for m in cfg["eq_models"] if m in models])
     return cfg
 
@@ -171,6 +172,7 @@ def build_model(keras, kg, name, variant, weights, cfg):
     model.compile(
         optimizer=make_optimizer(keras, kg, variant, cfg),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        jit_compile=cfg.get("jit_compile", "auto"),
     )
     model.set_weights(weights)
     return model
@@ -982,7 +984,7 @@ def machine_line(results=None, load=None):
 # ----------------------------------------------------------------- main ---
 def child_args(args):
     out = []
-    for flag in ("quick", "omp_passive"):
+    for flag in ("quick", "omp_passive", "torch_compile"):
         if getattr(args, flag):
             out.append("--" + flag.replace("_", "-"))
     for opt in ("batches", "models", "methods", "rounds", "llqr_source"):
@@ -1017,6 +1019,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, help="timed epochs per runner (default 9; --quick 3)")
     ap.add_argument("--llqr-source", choices=("callback", "step"), default="callback",
                     help="LLQR+SAM's refresh_source for the timed steps (default callback: no refresh branch in the step)")
+    ap.add_argument("--torch-compile", action="store_true",
+                    help="jit_compile=True for every Keras model (on torch: torch.compile of the train step; "
+                         "JAX and TensorFlow compile by default)")
     ap.add_argument("--json", help="write raw results to this file")
     ap.add_argument("--all", action="store_true", help="run every backend in a subprocess, print one table")
     ap.add_argument(

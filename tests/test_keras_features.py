@@ -60,11 +60,11 @@ def _mlp():
     return m
 
 
-def _fit(steps_per_execution=1, jit_compile="auto", epochs=2, callbacks=None, validation_split=0.0):
+def _fit(steps_per_execution=1, jit_compile="auto", epochs=2, callbacks=None, validation_split=0.0, optimizer=None):
     x, y, _ = _data(48)
     m = _mlp()
     m.compile(
-        optimizer=kg.optimizers.FSAM(keras.optimizers.SGD(0.1, momentum=0.9), rho=0.1),
+        optimizer=optimizer or kg.optimizers.FSAM(keras.optimizers.SGD(0.1, momentum=0.9), rho=0.1),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         steps_per_execution=steps_per_execution, jit_compile=jit_compile,
     )
@@ -81,12 +81,25 @@ def test_steps_per_execution_gives_the_same_weights():
         np.testing.assert_allclose(p, q, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(BACKEND == "torch", reason="jit_compile on torch means torch.compile, not exercised here")
-def test_jit_compile_on_and_off_give_the_same_weights():
-    a, _ = _fit(jit_compile=False)
-    b, _ = _fit(jit_compile=True)
-    for p, q in zip(a.get_weights(), b.get_weights()):
+def _llqr_sam():
+    # In-step refreshes at steps 0, 4 and 8: on torch with jit_compile=True
+    # they run eagerly inside the torch.compile-d step (double backward).
+    return kg.optimizers.LLQRSAM(
+        keras.optimizers.SGD(0.1, momentum=0.9), rho=0.1, structure="kfac", refresh_every=4, refresh_steps=2
+    )
+
+
+@pytest.mark.parametrize("make", [None, _llqr_sam], ids=["fsam", "llqr_sam_kfac"])
+def test_jit_compile_on_and_off_give_the_same_weights(make):
+    # torch: jit_compile=True is torch.compile of the train step.
+    a, ha = _fit(jit_compile=False, optimizer=make and make())
+    b, hb = _fit(jit_compile=True, optimizer=make and make())
+    state = lambda m: m.get_weights() + [keras.ops.convert_to_numpy(v) for v in m.optimizer.variables]  # noqa: E731
+    for p, q in zip(state(a), state(b)):
         np.testing.assert_allclose(p, q, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ha.history["grad_cosine"], hb.history["grad_cosine"], rtol=1e-5)
+    if make is not None:
+        assert int(b.optimizer.refreshes) == 3
 
 
 def test_callbacks_and_validation_split():

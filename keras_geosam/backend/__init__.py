@@ -47,6 +47,9 @@ a list of backend tensors:
 - ``vdot(a, b, dtype=None)``: ``sum_i <a_i, b_i>`` over two lists of
   like-shaped tensors (norms and dot products of gradients; on torch a few
   fused calls instead of three Keras ops per tensor)
+- ``uncompiled(fn)``: `fn` run eagerly inside a compiled step where the
+  compiler cannot take it (torch.compile: LLQR's in-step refresh); `fn`
+  itself where the step is traced whole (JAX, TensorFlow)
 - ``cond_apply(pred, apply_fn, skip_fn, args, state=())``: a conditional optimizer
   update that is legal under tf.distribute
 """
@@ -84,6 +87,7 @@ replica_count = _impl.replica_count
 all_reduce_sum = _impl.all_reduce_sum
 cond_apply = _impl.cond_apply
 vdot = _impl.vdot
+uncompiled = _impl.uncompiled
 distribute_batch = _impl.distribute_batch
 device_constant = _impl.device_constant
 sum_over_replicas = _impl.sum_over_replicas
@@ -111,6 +115,7 @@ __all__ = [
     "all_reduce_sum",
     "cond_apply",
     "vdot",
+    "uncompiled",
     "distribute_batch",
     "device_constant",
     "sum_over_replicas",

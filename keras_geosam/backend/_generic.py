@@ -6,6 +6,11 @@ a loop of small ops slow on eager torch.
 from keras import ops
 
 
+def uncompiled(fn):
+    """`fn` itself: JAX and TensorFlow trace a refresh into the step."""
+    return fn
+
+
 def vdot(a, b, dtype=None):
     """``sum_i <a_i, b_i>`` over two lists of like-shaped tensors, computed
     in `dtype` (default: the tensors' own)."""

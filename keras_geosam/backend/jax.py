@@ -176,4 +176,5 @@ from keras_geosam.backend._single_device import cond_apply  # noqa: E402,F401
 from keras_geosam.backend._single_device import replica_count  # noqa: E402,F401
 
 
+from keras_geosam.backend._generic import uncompiled  # noqa: E402,F401
 from keras_geosam.backend._generic import vdot  # noqa: E402,F401

@@ -220,6 +220,14 @@ def vdot(a, b, dtype=None):
     return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
 
 
+def uncompiled(fn):
+    """`fn`, run eagerly even inside a ``torch.compile``-d step
+    (``jit_compile=True``): LLQR's in-step refresh differentiates twice,
+    which compiled autograd does not support, and reads its step counter on
+    the host; the compiler breaks the graph around it."""
+    return torch.compiler.disable(fn)
+
+
 def cond_apply(pred, apply_fn, skip_fn, args, state=()):
     """``apply_fn(*args)`` if `pred` else ``skip_fn()``; `state` lists every
     variable either branch may write.

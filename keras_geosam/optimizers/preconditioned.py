@@ -52,6 +52,9 @@ class PreconditionedOptimizer(TwoPassOptimizer):
         return due
 
     def prepare_step(self, model, values, non_trainable, x, y):
+        return backend.uncompiled(self._prepare_step)(model, values, non_trainable, x, y)
+
+    def _prepare_step(self, model, values, non_trainable, x, y):
         if backend.eager_steps and self.preconditioner.refresh_source == "step" and not self._maybe_due():
             return []  # certainly not due: no condition to read on the host
         return self.preconditioner.prepare_step(self.refresh_due(), model, values, non_trainable, x, y)
