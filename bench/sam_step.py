@@ -79,6 +79,7 @@ EQ_STEPS, EQ_BATCH = 20, 256
 SAM_GOAL = 1.95  # SAM step <= 1.95x the Keras SGD step (same model, batch, backend)
 OPTAX_GOAL = 1.05  # JAX: our SAM step <= 1.05x optax.contrib.sam's
 LLQR_DIAG_GOAL = 2.05  # LLQR+SAM diagonal, amortised at refresh_every=1000, <= 2.05x SGD
+KFAC_FLOOR_GOAL = 1.1  # LLQR+SAM K-FAC step <= 1.1x its FLOP floor (SAM step + U products at the gradient's rate)
 METHODS = ("sam", "asam", "fsam", "fishersam", "llqr_diag", "llqr_kfac")
 LABELS = {
     "sgd": "SGD", "sam": "SAM", "asam": "ASAM", "fsam": "F-SAM", "fishersam": "Fisher-SAM",
@@ -251,6 +252,58 @@ def time_refresh(keras, model, x, y, repeats):
     return first, statistics.median(once() for _ in range(repeats))
 
 
+def kfac_flops(np, model, batch):
+    """``(U FLOPs per step, gradient FLOPs per batch)`` of a Dense/Conv model.
+
+    K-FAC's U acts on a kernel with matrix view X (m x n) as A X B^T:
+    2 (m^2 n + m n^2) FLOPs, applied twice per step (perturbation and
+    descent); bias blocks are diagonal (negligible). A gradient costs three
+    matmuls per kernel (forward, input and kernel gradients): 3 x 2 B P m n,
+    P the output positions of a convolution (1 for Dense).
+    """
+    u = grad = 0
+    for layer in model.layers:
+        kernel = getattr(layer, "kernel", None)
+        if kernel is None:
+            continue
+        shape = tuple(int(s) for s in kernel.shape)
+        m, n = int(np.prod(shape[:-1])), shape[-1]
+        positions = int(np.prod([int(s) for s in layer.output.shape[1:-1]]))
+        u += 2 * 2 * (m * m * n + m * n * n)
+        grad += 3 * 2 * batch * positions * m * n
+    return u, grad
+
+
+def time_kfac_floor(keras, np, model, x, y, repeats=15):
+    """One U application and one batch gradient, each compiled as the step
+    compiles it, warm; medians in seconds."""
+    from keras_geosam import backend
+    from keras_geosam.curvature.functional import model_functions
+    from keras_geosam.preconditioner import structures
+
+    sync = lambda out: keras.ops.convert_to_numpy(out[0] if isinstance(out, (list, tuple)) else out)  # noqa: E731
+    fns = model_functions(model)
+    grad = fns.kernel("loss_and_grad")
+    params, nt = fns.params(), fns.non_trainable()
+    xb, yb = keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y)
+    P = model.optimizer.preconditioner
+    u = backend.compile(lambda ps, vs: structures.operator(P.layout, ps).matvec(vs))
+    us = [p.value for p in P.variables]
+    rng = np.random.default_rng(0)
+    vs = [keras.ops.convert_to_tensor(rng.standard_normal(tuple(v.shape)).astype("float32")) for v in model.trainable_variables]
+
+    def med(call):
+        sync(call())
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            sync(call())
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    return med(lambda: u(us, vs)), med(lambda: grad(params, nt, xb, yb))
+
+
 # ---------------------------------------------------------- one backend ---
 def run_backend(args):
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -345,6 +398,11 @@ def measure_cell(keras, kg, np, b, name, batch, w0, cfg, timer_cls):
         first_s, refresh_s = time_refresh(keras, models[v], x[:batch], y[:batch], cfg["refresh_repeats"])
         cell["refresh"][v] = {"first_s": first_s, "refresh_s": refresh_s, "inner_steps": cfg["refresh_steps"],
                               "refreshes_in_timed_steps": refreshes_before - (1 if cfg["llqr_source"] == "step" else 0)}
+    if "llqr_kfac" in models:
+        log(f"[{b}] {name} b={batch} LLQR+SAM K-FAC: FLOP floor (one U product, one gradient)")
+        u_flops, grad_flops = kfac_flops(np, models["llqr_kfac"], batch)
+        u_s, grad_s = time_kfac_floor(keras, np, models["llqr_kfac"], x[:batch], y[:batch])
+        cell["kfac_floor"] = {"u_flops_per_step": u_flops, "grad_flops": grad_flops, "u_product_s": u_s, "grad_s": grad_s}
     derive(cell)
     del models
     return cell
@@ -371,6 +429,16 @@ def derive(cell):
             out["sgd_over_peer_sgd" + suffix] = sgd / r["peer_sgd"][key]
             out["raw_sgd_over_peer_sgd" + suffix] = r["raw_sgd"][key] / r["peer_sgd"][key]
             out["raw_sam_over_raw_sgd" + suffix] = r["raw_sam"][key] / r["raw_sgd"][key]
+    f = cell.get("kfac_floor")
+    if f and "sam" in r and "llqr_kfac" in r:
+        # Floor: the SAM step plus both U products run at the gradient's
+        # FLOP rate; `rate` = the U products' achieved rate over the gradient's.
+        grad_rate = f["grad_flops"] / f["grad_s"]
+        f["rate_u_over_grad"] = (f["u_flops_per_step"] / 2 / f["u_product_s"]) / grad_rate
+        f["floor_s"] = r["sam"]["step_s"] + f["u_flops_per_step"] / grad_rate
+        out["llqr_kfac_over_floor"] = r["llqr_kfac"]["step_s"] / f["floor_s"]
+        if "llqr_kfac" in cell["refresh"]:
+            out["llqr_kfac_amortised_over_floor"] = cell["refresh"]["llqr_kfac"]["amortised_step_s"] / f["floor_s"]
     cell["ratios"] = out
 
 
@@ -928,9 +996,12 @@ def markdown(results):
         )
     lines += ["", f"Goals (wall; CPU time in brackets): SAM/SGD <= {SAM_GOAL:g}; LLQR+SAM diagonal amortised at "
               f"refresh_every={REFRESH_EVERY} <= {LLQR_DIAG_GOAL:g}; JAX SAM/optax.contrib.sam <= {OPTAX_GOAL:g}; "
-              "LLQR+SAM K-FAC amortised: reported, no goal here.", ""]
-    lines.append("| backend | model | batch | SAM/SGD | LLQR diag amort./SGD | SAM/optax SAM (fit) | SAM/optax SAM (train_step) | LLQR K-FAC amort./SGD |")
-    lines.append("|---|---|---:|---|---|---|---|---|")
+              f"LLQR+SAM K-FAC step / its FLOP floor <= {KFAC_FLOOR_GOAL:g} (floor: the SAM step plus both U products "
+              "at the gradient's FLOP rate, both measured here; U FLOPs 2 x 2(m^2 n + m n^2) per kernel, gradient "
+              "3 x 2 B P m n; rate: the U product's achieved FLOP rate over the gradient's, each compiled and timed alone).", ""]
+    lines.append("| backend | model | batch | SAM/SGD | LLQR diag amort./SGD | SAM/optax SAM (fit) | SAM/optax SAM (train_step) "
+                 "| LLQR K-FAC amort./SGD | U GFLOP/step | grad GFLOP | U rate/grad rate | K-FAC/floor | K-FAC amort./floor |")
+    lines.append("|---|---|---:|---|---|---|---|---|---:|---:|---:|---|---|")
 
     def goal_cell(q, k, goal):
         if k not in q:
@@ -946,6 +1017,14 @@ def markdown(results):
                      goal_cell(q, "sam_over_peer_sam", OPTAX_GOAL) if jax_peer else "-",
                      goal_cell(q, "raw_sam_over_peer_sam", OPTAX_GOAL) if jax_peer else "-",
                      f"{q['llqr_kfac_amortised']:.2f} [{q['llqr_kfac_amortised_cpu']:.2f}]" if "llqr_kfac_amortised" in q else "-"]
+            f = c.get("kfac_floor")
+            if f and "rate_u_over_grad" in f:
+                cells += [f"{f['u_flops_per_step'] / 1e9:.2f}", f"{f['grad_flops'] / 1e9:.2f}", f"{f['rate_u_over_grad']:.2f}",
+                          f"{q['llqr_kfac_over_floor']:.2f} {verdict(q['llqr_kfac_over_floor'], KFAC_FLOOR_GOAL)}",
+                          f"{q['llqr_kfac_amortised_over_floor']:.2f} {verdict(q['llqr_kfac_amortised_over_floor'], KFAC_FLOOR_GOAL)}"
+                          if "llqr_kfac_amortised_over_floor" in q else "-"]
+            else:
+                cells += ["-"] * 5
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -1080,3 +1080,24 @@ def test_lora_dense_falls_back_to_the_vectorised_map():
         x, y = _data(rng, (4,))
         diag, dense = _diag_vs_dense(model, x.astype("float32"), y)
     assert rel(diag, dense) < 1e-5
+
+
+def test_block_diagonal_matvec_of_diagonal_and_kfac_blocks():
+    # matvec has its own path for diagonal blocks (no probe axis): checked
+    # against NumPy products and against the operator's matmat.
+    tol = tol_for(*STRUCT_OPS)
+    rng = np.random.default_rng(11)
+    d1, d2 = rng.normal(size=(4, 3)), rng.normal(size=(5,))
+    A, B = rng.normal(size=(3, 3)), rng.normal(size=(2, 2))
+    op = cv.BlockDiagonal([cv.Diagonal(tensors([d1, d2])), cv.KFAC(*tensors([A, B]), (3, 2), 1)])
+    v = [rng.normal(size=(4, 3)), rng.normal(size=(5,)), rng.normal(size=(3, 2))]
+    out = op.matvec(tensors(v))
+    assert [tuple(o.shape) for o in out] == [(4, 3), (5,), (3, 2)]
+    want = [d1 * v[0], d2 * v[1], A @ v[2] @ B.T]
+    for got, w in zip(out, want):
+        assert rel(ops.convert_to_numpy(got), w) < tol
+    via_matmat = op.matmat([ops.expand_dims(t, 0) for t in tensors(v)])
+    for got, w in zip(out, via_matmat):
+        assert rel(ops.convert_to_numpy(got), ops.convert_to_numpy(w)[0]) < tol
+    with pytest.raises(ValueError, match="shape"):
+        op.matvec(tensors([v[0][None], v[1], v[2]]))

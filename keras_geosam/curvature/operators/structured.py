@@ -114,6 +114,12 @@ class Diagonal(_Spectral, LinearOperator):
         vectors = self.check(vectors)
         return [ops.cast(d, v.dtype)[None] * v for d, v in zip(self.values, vectors)]
 
+    def matvec(self, vector):
+        # Without matmat's probe axis: LLQR applies a diagonal U twice per
+        # step, and on eager torch the axis costs two ops per tensor.
+        vector = self.check(vector, batched=False)
+        return [ops.cast(d, v.dtype) * v for d, v in zip(self.values, vector)]
+
     def diagonal(self):
         return list(self.values)
 
@@ -361,6 +367,10 @@ class BlockDiagonal(LinearOperator):
     def matmat(self, vectors):
         vectors = self.check(vectors)
         return [y for b, v in zip(self.blocks, self.split_list(vectors)) for y in b.matmat(v)]
+
+    def matvec(self, vector):
+        vector = self.check(vector, batched=False)
+        return [y for b, v in zip(self.blocks, self.split_list(vector)) for y in b.matvec(v)]
 
     def diagonal(self):
         return [d for b in self.blocks for d in b.diagonal()]
