@@ -165,3 +165,12 @@ def test_vdot_sums_products_over_a_list_of_tensors():
     assert ops.convert_to_numpy(got).dtype == np.float32
     rounded = [ops.convert_to_numpy(ops.cast(h, "float32")).astype("float64") for h in half]
     np.testing.assert_allclose(float(got), sum(float(np.sum(r * r)) for r in rounded), rtol=1e-6)
+
+
+def test_add_scaled_is_y_plus_alpha_x():
+    # LLQR's inner heavy-ball update; one fused op on torch.
+    x, y = RNG.normal(size=(4, 3)), RNG.normal(size=(4, 3))
+    for dtype, tol in (("float32", 1e-6), ("float64", 1e-15)):
+        got = backend.add_scaled(ops.convert_to_tensor(y.astype(dtype)), ops.convert_to_tensor(x.astype(dtype)), -0.3)
+        assert ops.convert_to_numpy(got).dtype == np.dtype(dtype)
+        np.testing.assert_allclose(ops.convert_to_numpy(got), y - 0.3 * x, rtol=tol, atol=tol)

@@ -47,6 +47,8 @@ a list of backend tensors:
 - ``vdot(a, b, dtype=None)``: ``sum_i <a_i, b_i>`` over two lists of
   like-shaped tensors (norms and dot products of gradients; on torch a few
   fused calls instead of three Keras ops per tensor)
+- ``add_scaled(y, x, alpha)``: ``y + alpha * x`` for a Python number, one
+  pass over memory on eager torch
 - ``uncompiled(fn)``: `fn` run eagerly inside a compiled step where the
   compiler cannot take it (torch.compile: LLQR's in-step refresh); `fn`
   itself where the step is traced whole (JAX, TensorFlow)
@@ -87,6 +89,7 @@ replica_count = _impl.replica_count
 all_reduce_sum = _impl.all_reduce_sum
 cond_apply = _impl.cond_apply
 vdot = _impl.vdot
+add_scaled = _impl.add_scaled
 uncompiled = _impl.uncompiled
 distribute_batch = _impl.distribute_batch
 device_constant = _impl.device_constant
@@ -115,6 +118,7 @@ __all__ = [
     "all_reduce_sum",
     "cond_apply",
     "vdot",
+    "add_scaled",
     "uncompiled",
     "distribute_batch",
     "device_constant",

@@ -11,6 +11,11 @@ def uncompiled(fn):
     return fn
 
 
+def add_scaled(y, x, alpha):
+    """``y + alpha * x`` for a Python number `alpha` (XLA fuses the two)."""
+    return y + alpha * x
+
+
 def vdot(a, b, dtype=None):
     """``sum_i <a_i, b_i>`` over two lists of like-shaped tensors, computed
     in `dtype` (default: the tensors' own)."""

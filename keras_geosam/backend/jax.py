@@ -176,5 +176,6 @@ from keras_geosam.backend._single_device import cond_apply  # noqa: E402,F401
 from keras_geosam.backend._single_device import replica_count  # noqa: E402,F401
 
 
+from keras_geosam.backend._generic import add_scaled  # noqa: E402,F401
 from keras_geosam.backend._generic import uncompiled  # noqa: E402,F401
 from keras_geosam.backend._generic import vdot  # noqa: E402,F401

@@ -204,6 +204,12 @@ def compile(fn):
     return fn
 
 
+def add_scaled(y, x, alpha):
+    """``y + alpha * x`` in one pass over memory (two eager ops would make
+    two): the LLQR refresh's heavy-ball update, 50 times per refresh."""
+    return torch.add(y, x, alpha=alpha)
+
+
 def vdot(a, b, dtype=None):
     """``sum_i <a_i, b_i>`` over two lists of like-shaped tensors, in
     `dtype` (default: their own). One ``torch.dot`` per pair: the Keras-op
