@@ -19,7 +19,9 @@ def add_scaled(y, x, alpha):
 def vdot(a, b, dtype=None):
     """``sum_i <a_i, b_i>`` over two lists of like-shaped tensors, computed
     in `dtype` (default: the tensors' own)."""
+    if not a:
+        return ops.zeros((), dtype or "float32")
     if dtype is not None:
         a = [ops.cast(x, dtype) for x in a]
         b = a if b is a else [ops.cast(y, dtype) for y in b]
-    return sum(ops.sum(x * y) for x, y in zip(a, b))
+    return sum(ops.sum(ops.multiply(x, y)) for x, y in zip(a, b))

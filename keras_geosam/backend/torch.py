@@ -215,13 +215,19 @@ def vdot(a, b, dtype=None):
     `dtype` (default: their own). One ``torch.dot`` per pair: the Keras-op
     version costs three dispatches per tensor, which on an eager step is a
     large share of a small model's SAM step."""
+    if not a:
+        from keras import ops
+
+        return ops.zeros((), dtype or "float32")
     if dtype is not None:
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     parts = []
     for x, y in zip(a, b):
-        x, y = x.reshape(-1), y.reshape(-1)
-        if dtype is not None:
-            x, y = x.to(dtype), y.to(dtype)
+        same = x is y
+        x = x.reshape(-1)
+        # The pair's common dtype (as Keras promotes), unless one is asked.
+        x = x.to(dtype or torch.promote_types(x.dtype, y.dtype))
+        y = x if same else y.reshape(-1).to(x.dtype)
         parts.append(torch.dot(x, y))
     return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
 

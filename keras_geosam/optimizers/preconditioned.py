@@ -52,10 +52,15 @@ class PreconditionedOptimizer(TwoPassOptimizer):
         return due
 
     def prepare_step(self, model, values, non_trainable, x, y):
-        return backend.uncompiled(self._prepare_step)(model, values, non_trainable, x, y)
+        if self.preconditioner.refresh_source != "step":
+            return []  # a callback refreshes U, outside the step
+        refresh = self.__dict__.get("_refresh_fn")
+        if refresh is None:  # wrapped once (torch: run eagerly under torch.compile)
+            refresh = self._refresh_fn = backend.uncompiled(self._refresh_in_step)
+        return refresh(model, values, non_trainable, x, y)
 
-    def _prepare_step(self, model, values, non_trainable, x, y):
-        if backend.eager_steps and self.preconditioner.refresh_source == "step" and not self._maybe_due():
+    def _refresh_in_step(self, model, values, non_trainable, x, y):
+        if backend.eager_steps and not self._maybe_due():
             return []  # certainly not due: no condition to read on the host
         return self.preconditioner.prepare_step(self.refresh_due(), model, values, non_trainable, x, y)
 
