@@ -175,7 +175,7 @@ from keras_geosam.backend._single_device import sum_over_replicas  # noqa: E402,
 from keras_geosam.backend._single_device import cond_apply  # noqa: E402,F401
 from keras_geosam.backend._single_device import replica_count  # noqa: E402,F401
 
-
+# The step is compiled, so the keras.ops forms cost no per-op dispatch.
 from keras_geosam.backend._generic import add_scaled  # noqa: E402,F401
 from keras_geosam.backend._generic import uncompiled  # noqa: E402,F401
 from keras_geosam.backend._generic import vdot  # noqa: E402,F401

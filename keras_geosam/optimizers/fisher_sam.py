@@ -4,7 +4,6 @@ import keras
 from keras import ops
 
 from keras_geosam import backend
-
 from keras_geosam.optimizers.base import TwoPassOptimizer
 
 
