@@ -267,10 +267,69 @@ def test_refresh_schedule_in_step_and_no_retrace():
         groups = [{"d": d} for d in rec.u[t]]
         expected = llqrsam_reference(weights[t], [(x, y)], groups, lr=0.2, momentum=0.0, rho=0.0, two_pass=False)
         assert_close(rec.weights[t], expected)
-    if BACKEND in ("jax", "tensorflow"):
+    if BACKEND == "tensorflow":
         assert run["calls"] == 1, f"train_step traced {run['calls']} times in one fit"
+    elif BACKEND == "jax":  # one program with the refresh branch, one without
+        assert run["calls"] == 2, f"train_step traced {run['calls']} times in one fit"
     else:  # torch: eager, one call per step and nothing else
         assert run["calls"] == 6
+
+
+def test_host_skips_the_refresh_branch_between_due_steps(monkeypatch):
+    """JAX and torch decide on the host which steps may need a refresh
+    (``RefreshBounds``): with refresh_every=3 over 6 steps only steps 0 and
+    3 take the refresh branch, and the counter is read at steps 0, 1, 3, 4
+    only (a due step and the one after, which a skipped step would leave at
+    the due count). On JAX the other steps run a second compiled program
+    without the branch; TensorFlow keeps the branch in its graph. With
+    steps_per_execution=2 (JAX: the host reads only at a call's first step)
+    U and the weights are the same as with 1 (torch allows only 1)."""
+    from keras_geosam.optimizers.preconditioned import RefreshBounds
+
+    decisions, reads = [], []
+    stock = RefreshBounds.next_step
+
+    def spy(self, read_counter, can_read=True):
+        def read():
+            reads.append(read_counter())
+            return reads[-1]
+
+        decisions.append(stock(self, read, can_read))
+        return decisions[-1]
+
+    monkeypatch.setattr(RefreshBounds, "next_step", spy)
+    x, y = ref.make_data(43, 12, D_IN, K)
+    common = dict(refresh_every=3, refresh_steps=5, inner_learning_rate=0.05, beta=0.5, rho=0.1)
+    results = {}
+    runs = [(1, kg.Sequential), (1, "attach")] + ([(2, kg.Sequential)] if BACKEND != "torch" else [])
+    for spe, cls in runs:  # torch: steps_per_execution must be 1
+        decisions.clear(), reads.clear()
+        opt = kg.optimizers.LLQRSAM(keras.optimizers.SGD(0.2, momentum=0.9), **common)
+        if cls == "attach":  # kg.attach on a plain Keras model gates the same way
+            model = kg.attach(ref.build_keras(MLP, D_IN, kg_cls=keras.Sequential))
+            ref.set_weights(model, 3)
+        else:
+            model, _ = build(opt)
+        model.compile(optimizer=opt, loss=sce(), steps_per_execution=spe)
+        rec = Recorder()
+        fit(model, x, y, 2, callbacks=[rec])
+        assert rec.refreshes[-1] == 2 and (spe == 2 or rec.refreshes == [1, 1, 1, 2, 2, 2])
+        results[spe, cls] = (rec.u[-1], ref.weights_of(model), list(decisions), list(reads))
+    reference = results[1, kg.Sequential]
+    for key, (u, weights, decided, read) in results.items():
+        assert_close(u, reference[0], rtol=1e-6, atol=1e-7)
+        assert_close(weights, reference[1], rtol=1e-6, atol=1e-7)
+        if key[0] == 1:
+            assert (decided, read) == (reference[2], reference[3]), key
+    results = {spe: value for (spe, cls), value in results.items() if cls is kg.Sequential}
+    if BACKEND == "tensorflow":
+        assert results[1][2] == []
+    else:
+        assert results[1][2] == [True, False, False, True, False, False]
+        assert results[1][3] == [0, 1, 3, 4]
+    if BACKEND == "jax":  # calls of 2 steps, read at each call's first step only
+        assert results[2][2] == [True, True, False, True, False, False]
+        assert results[2][3] == [0, 2, 4]
 
 
 def test_llqrsam_with_rho_zero_is_llqr():

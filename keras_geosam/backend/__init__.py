@@ -54,6 +54,10 @@ a list of backend tensors:
   itself where the step is traced whole (JAX, TensorFlow)
 - ``cond_apply(pred, apply_fn, skip_fn, args, state=())``: a conditional optimizer
   update that is legal under tf.distribute
+- ``gate_preparation(train_function, prepare, counter_index)`` /
+  ``unwrap_unprepared(data)``: JAX dispatches a step that needs no
+  ``prepare_step`` (no LLQR refresh can be due) to a second compiled
+  program without that branch; identity / ``(data, True)`` elsewhere
 """
 
 import keras
@@ -91,6 +95,8 @@ cond_apply = _impl.cond_apply
 vdot = _impl.vdot
 add_scaled = _impl.add_scaled
 uncompiled = _impl.uncompiled
+gate_preparation = _impl.gate_preparation
+unwrap_unprepared = _impl.unwrap_unprepared
 distribute_batch = _impl.distribute_batch
 device_constant = _impl.device_constant
 sum_over_replicas = _impl.sum_over_replicas
@@ -120,6 +126,8 @@ __all__ = [
     "vdot",
     "add_scaled",
     "uncompiled",
+    "gate_preparation",
+    "unwrap_unprepared",
     "distribute_batch",
     "device_constant",
     "sum_over_replicas",

@@ -1,6 +1,7 @@
-"""Implementations in ``keras.ops`` for backends that compile a step (JAX,
-TensorFlow): there the compiler removes the per-op dispatch cost that makes
-a loop of small ops slow on eager torch.
+"""Backend-neutral implementations: the ``keras.ops`` forms for backends
+that compile a step (JAX, TensorFlow), where the compiler removes the
+per-op dispatch cost that makes a loop of small ops slow on eager torch;
+and the identity where a backend needs nothing of its own.
 """
 
 from keras import ops
@@ -25,3 +26,15 @@ def vdot(a, b, dtype=None):
         a = [ops.cast(x, dtype) for x in a]
         b = a if b is a else [ops.cast(y, dtype) for y in b]
     return sum(ops.sum(ops.multiply(x, y)) for x, y in zip(a, b))
+
+
+def gate_preparation(train_function, prepare, counter_index):
+    """`train_function` itself: only JAX dispatches steps without the
+    optimizer's preparation (TensorFlow's graph cond is free; eager torch
+    decides on the host inside the step)."""
+    return train_function
+
+
+def unwrap_unprepared(data):
+    """``(data, True)``: every step prepares (see ``gate_preparation``)."""
+    return data, True

@@ -169,6 +169,57 @@ def save_from_primary(save):
     multihost_utils.sync_global_devices("keras_geosam.save_from_primary")
 
 
+@jax.tree_util.register_pytree_node_class
+class Unprepared:
+    """A batch whose train step skips the optimizer's ``prepare_step``. A
+    pytree node of its own: the one ``jit`` Keras built (donation, output
+    shardings) compiles a second program for it, without that branch."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def tree_flatten(self):
+        return (self.data,), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(children[0])
+
+
+def gate_preparation(train_function, prepare, counter_index):
+    """Keras' JAX ``train_function(state, iterator)``, each of whose steps
+    asks the host ``prepare(read_counter, first_step)`` whether the optimizer's
+    ``prepare_step`` (LLQR's in-step refresh) may have work to do; when not,
+    the step runs a program without it. Even a branch not taken costs on
+    XLA (its operands, such as U, are copied out of the donated state).
+
+    ``read_counter()`` reads the optimizer variable ``counter_index`` of the
+    state the call started from (a device-to-host transfer, so only valid
+    for the call's first step; ``steps_per_execution`` runs several)."""
+
+    def gated(state, iterator):
+        def read_counter():
+            value = state[2][counter_index]
+            return int(jax.device_get(value.addressable_data(0)))
+
+        def batches():
+            first = True
+            for data in iterator:
+                yield data if prepare(read_counter, first) else Unprepared(data)
+                first = False
+
+        return train_function(state, batches())
+
+    return gated
+
+
+def unwrap_unprepared(data):
+    """``(batch, prepare)`` for a step's data (see ``gate_preparation``)."""
+    if isinstance(data, Unprepared):
+        return data.data, False
+    return data, True
+
+
 # Keras offers no per-replica train step on this backend: gradients are global.
 from keras_geosam.backend._single_device import all_reduce_sum  # noqa: E402,F401
 from keras_geosam.backend._single_device import sum_over_replicas  # noqa: E402,F401

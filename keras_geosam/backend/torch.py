@@ -275,3 +275,7 @@ from keras_geosam.backend._single_device import process_count  # noqa: E402,F401
 from keras_geosam.backend._single_device import wait_for_step  # noqa: E402,F401
 from keras_geosam.backend._single_device import save_from_primary  # noqa: E402,F401
 from keras_geosam.backend._single_device import replica_count  # noqa: E402,F401
+
+# Eager steps decide the refresh on the host, inside the step.
+from keras_geosam.backend._generic import gate_preparation  # noqa: E402,F401
+from keras_geosam.backend._generic import unwrap_unprepared  # noqa: E402,F401

@@ -140,6 +140,10 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
     num_passes = 2
 
     # ---------------------------------------------------------- hooks ----
+    # Whether prepare_step can do work; then ``refresh_bounds`` (host-side
+    # bounds on the step counter) tells which steps may skip it.
+    prepares_steps = False
+
     def prepare_step(self, model, values, non_trainable, x, y):
         """Runs before the centre pass at the unperturbed weights, with the
         step's batch (LLQR refreshes U here). Returns ``[(variable, value

@@ -51,8 +51,22 @@ class PreconditionedOptimizer(TwoPassOptimizer):
             due = ops.logical_and(due, ops.equal(ops.mod(micro, k), 0))
         return due
 
+    @property
+    def prepares_steps(self):
+        """Whether ``prepare_step`` can do work (U refreshed in the step)."""
+        return self.preconditioner.refresh_source == "step"
+
+    @property
+    def refresh_bounds(self):
+        """The host's :class:`RefreshBounds` on this optimizer's step counter."""
+        bounds = self.__dict__.get("_refresh_bounds")
+        if bounds is None:
+            pre = self.preconditioner
+            bounds = self._refresh_bounds = RefreshBounds(pre.refresh_every, pre.refresh_until)
+        return bounds
+
     def prepare_step(self, model, values, non_trainable, x, y):
-        if self.preconditioner.refresh_source != "step":
+        if not self.prepares_steps:
             return []  # a callback refreshes U, outside the step
         refresh = self.__dict__.get("_refresh_fn")
         if refresh is None:  # wrapped once (torch: run eagerly under torch.compile)
@@ -66,34 +80,22 @@ class PreconditionedOptimizer(TwoPassOptimizer):
 
     def _maybe_due(self):
         """Eager steps (torch) decide ``refresh_due`` on the host, which on
-        an accelerator means waiting for the device. The host instead keeps
-        bounds on the step counter: it advances by at most one per step and
-        stays put on a skipped step. Only when a due step lies within the
-        bounds is the counter read (and the bounds collapse to it): about
-        twice per refresh period instead of every step."""
+        an accelerator means waiting for the device: the counter is read
+        only when the host's bounds on it allow a due step."""
         from keras import ops
 
-        bounds = self.__dict__.get("_step_bounds")  # the counter's range at this call
-        every, until = self.preconditioner.refresh_every, self.preconditioner.refresh_until
-        if bounds is not None:
-            low, high = bounds
-            never = until is not None and low >= until
-            if never or -(-low // every) * every > high:  # no multiple of `every` in [low, high]
-                self._step_bounds = (low, high + 1)
-                return False
-        step = int(ops.convert_to_numpy(self.iterations))
-        self._step_bounds = (step, step + 1)
-        return True
+        return self.refresh_bounds.next_step(lambda: int(ops.convert_to_numpy(self.iterations)))
 
-    def _forget_step_bounds(self):
-        self.__dict__.pop("_step_bounds", None)
+    def forget_step_bounds(self):
+        """The step counter may have changed behind the host's back."""
+        self.refresh_bounds.forget()
 
     def load_own_variables(self, store):
-        self._forget_step_bounds()  # the counter may change under the host
+        self.forget_step_bounds()
         super().load_own_variables(store)
 
     def set_weights(self, weights):
-        self._forget_step_bounds()
+        self.forget_step_bounds()
         super().set_weights(weights)
 
     def precondition(self, vectors):
@@ -110,6 +112,57 @@ class PreconditionedOptimizer(TwoPassOptimizer):
         config = super().get_config()
         config.update(self.preconditioner.get_config())
         return config
+
+
+class RefreshBounds:
+    """Host-side bounds ``[low, high]`` on the optimizer's step counter, so
+    that most steps know without reading the device that no refresh is due
+    (the counter is a multiple of ``every`` below ``until``).
+
+    A step advances the counter by at most one (not at all when it is
+    skipped for non-finite values), so after each step ``high`` grows by
+    one. Only when a due count lies within the bounds does the caller read
+    the counter and ``collapse`` them onto it: about twice per refresh
+    period. Unknown bounds (at the start, or after ``forget``) allow
+    anything. Under gradient accumulation a due count is necessary, not
+    sufficient: the compiled step still checks the micro-batch.
+    """
+
+    def __init__(self, every, until=None):
+        self.every, self.until = int(every), until
+        self.bounds = None
+
+    @property
+    def exact(self):
+        return self.bounds is not None and self.bounds[0] == self.bounds[1]
+
+    def may_be_due(self):
+        if self.bounds is None:
+            return True
+        low, high = self.bounds
+        if self.until is not None:
+            high = min(high, self.until - 1)
+        return -(-low // self.every) * self.every <= high  # a multiple of `every` in [low, high]
+
+    def collapse(self, counter):
+        self.bounds = (counter, counter)
+
+    def advance(self):
+        if self.bounds is not None:
+            self.bounds = (self.bounds[0], self.bounds[1] + 1)
+
+    def next_step(self, read_counter, can_read=True):
+        """Whether the coming step may be due; then counts it. Calls
+        ``read_counter()`` (a host read of the counter) only when the bounds
+        allow a due count and are not exact, and `can_read`."""
+        if can_read and self.may_be_due() and not self.exact:
+            self.collapse(read_counter())
+        due = self.may_be_due()
+        self.advance()
+        return due
+
+    def forget(self):
+        self.bounds = None
 
 
 # U's settings read like the optimizer's own (opt.structure, opt.clip_norm, ...).

@@ -175,7 +175,9 @@ class TwoPassStepMixin:
 
     def make_train_function(self, force=False):
         _prepare(self)
-        return super().make_train_function(force=force)
+        result = super().make_train_function(force=force)
+        _step.gate_preparation(self)
+        return result
 
     def fit(self, *args, **kwargs):
         from keras_geosam.distribution import layout_errors
@@ -343,6 +345,7 @@ def attach(model):
     stock_compile = model.compile
     stock_result = type(model).get_metrics_result
     stock_fit = model.fit
+    stock_make_train_function = type(model).make_train_function
 
     def train_step(self, *args):
         if _step.unwrap(self.optimizer)[0] is None:
@@ -363,6 +366,11 @@ def attach(model):
     def get_metrics_result(self):
         return _metrics_result(self, stock_result(self))
 
+    def make_train_function(self, force=False):
+        result = stock_make_train_function(self, force=force)
+        _step.gate_preparation(self)
+        return result
+
     def fit(*args, **kwargs):
         from keras_geosam.distribution import layout_errors
 
@@ -376,6 +384,7 @@ def attach(model):
     if stock_build is not None:  # the TensorFlow trainer's
         object.__setattr__(model, "_maybe_symbolic_build", types.MethodType(maybe_symbolic_build, model))
     object.__setattr__(model, "get_metrics_result", types.MethodType(get_metrics_result, model))
+    object.__setattr__(model, "make_train_function", types.MethodType(make_train_function, model))
     object.__setattr__(model, "compile", compile)
     object.__setattr__(model, "_geosam_attached", True)
     model.train_function = None

@@ -219,15 +219,43 @@ def _loss_scale_grow(lso):
     lso.dynamic_scale.assign(ops.where(grow, scale * 2.0, scale))
 
 
+def gate_preparation(model):
+    """JAX: ``fit``'s steps that cannot need the optimizer's
+    ``prepare_step`` (no LLQR refresh due: the host's ``refresh_bounds``
+    rule it out) run a compiled step without that branch. Applied once per
+    train function; at every ``fit`` (which calls this) the bounds restart
+    from a read of the counter. A counter changed by hand in the middle of
+    ``fit`` would go unnoticed until then."""
+    opt = unwrap(getattr(model, "optimizer", None))[0]
+    fn = model.train_function
+    if opt is None or not opt.prepares_steps or fn is None:
+        return
+    bounds = opt.refresh_bounds
+    bounds.forget()  # the counter may have been set since the last call
+    if getattr(fn, "_geosam_gated", False):
+        return
+    counter = opt.iterations
+    index = next((i for i, v in enumerate(model.optimizer.variables) if v is counter), None)
+    if index is None:
+        return
+    gated = backend.gate_preparation(fn, bounds.next_step, index)
+    if gated is not fn:
+        gated._geosam_gated = True
+        model.train_function = gated
+
+
 def stateless_train_step(model, state, data):
-    """JAX: the same core on explicit state, returning new state."""
+    """JAX: the same core on explicit state, returning new state. A batch
+    marked by ``gate_preparation`` skips ``prepare_step`` (at trace time)."""
     tv, ntv, opt_vars, mv = state
+    data, prepare = backend.unwrap_unprepared(data)
     x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
     outer = model.optimizer
     opt, lso = unwrap(outer)
     before = list(opt_vars)
     with keras.StatelessScope(state_mapping=list(zip(outer.variables, opt_vars))) as scope:
-        opt.prepare_step(model, tv, ntv, x, y)
+        if prepare:
+            opt.prepare_step(model, tv, ntv, x, y)
         scale = None if lso is None else ops.convert_to_tensor(lso.dynamic_scale)
         r = two_pass(model, opt, tv, ntv, mv, x, y, sw, scale)
     # prepare_step may have written optimizer state (a refreshed U).
