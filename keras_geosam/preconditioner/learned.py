@@ -41,7 +41,10 @@ class LearnedPreconditioner:
         refresh_source: ``"step"`` (default): refresh inside the compiled
             train step on the current training batch, which then also serves
             both SAM passes (the reference draws a separate fresh batch of
-            128); ``"callback"``: U is refreshed only by
+            128). Steps that are not due cost nothing extra: JAX and
+            torch tell them apart on the host (JAX runs them as a second
+            compiled step without the refresh), TensorFlow's graph
+            condition is free. ``"callback"``: U is refreshed only by
             ``kg.callbacks.PreconditionerRefresh(x, y)`` from a dataset you
             pass, before the step that is due.
         refresh_steps, inner_learning_rate, inner_momentum, clip_norm: the
