@@ -161,6 +161,12 @@ def test_vdot_sums_products_over_a_list_of_tensors():
         assert ops.convert_to_numpy(got).dtype == np.dtype(dtype)
         np.testing.assert_allclose(float(got), sum(float(np.sum(x * y)) for x, y in zip(ra, rb)), rtol=tol)
         np.testing.assert_allclose(float(backend.vdot(ta, ta)), sum(float(np.sum(x * x)) for x in ra), rtol=tol)
+        np.testing.assert_allclose(float(backend.vdot(ta, ta, dtype)), sum(float(np.sum(x * x)) for x in ra), rtol=tol)
+        # A squared norm stays non-finite when an entry is (the step's skip
+        # check relies on it).
+        for bad in (np.nan, np.inf):
+            spoilt = [ta[0], ops.convert_to_tensor(np.where(np.arange(5) == 2, bad, a[1]).astype(dtype)), ta[2]]
+            assert not np.isfinite(float(backend.vdot(spoilt, spoilt, "float32")))
         np.testing.assert_allclose(float(backend.vdot(ta[:1], tb[:1])), float(np.sum(ra[0] * rb[0])), rtol=tol)
     # Mixed dtypes promote; an empty list sums to zero.
     mixed = backend.vdot([ops.convert_to_tensor(a[0].astype("float32"))], [ops.convert_to_tensor(b[0])])
@@ -174,9 +180,11 @@ def test_vdot_sums_products_over_a_list_of_tensors():
 
 
 def test_add_scaled_is_y_plus_alpha_x():
-    # LLQR's inner heavy-ball update; one fused op on torch.
+    # LLQR's inner heavy-ball update (a Python number) and the perturbed
+    # weights of a SAM step (a scalar tensor); one fused op on torch.
     x, y = RNG.normal(size=(4, 3)), RNG.normal(size=(4, 3))
     for dtype, tol in (("float32", 1e-6), ("float64", 1e-15)):
-        got = backend.add_scaled(ops.convert_to_tensor(y.astype(dtype)), ops.convert_to_tensor(x.astype(dtype)), -0.3)
-        assert ops.convert_to_numpy(got).dtype == np.dtype(dtype)
-        np.testing.assert_allclose(ops.convert_to_numpy(got), y - 0.3 * x, rtol=tol, atol=tol)
+        for alpha in (-0.3, ops.convert_to_tensor(np.asarray(-0.3, dtype))):
+            got = backend.add_scaled(ops.convert_to_tensor(y.astype(dtype)), ops.convert_to_tensor(x.astype(dtype)), alpha)
+            assert ops.convert_to_numpy(got).dtype == np.dtype(dtype)
+            np.testing.assert_allclose(ops.convert_to_numpy(got), y - 0.3 * x, rtol=tol, atol=tol)

@@ -47,8 +47,8 @@ a list of backend tensors:
 - ``vdot(a, b, dtype=None)``: ``sum_i <a_i, b_i>`` over two lists of
   like-shaped tensors (norms and dot products of gradients; on torch a few
   fused calls instead of three Keras ops per tensor)
-- ``add_scaled(y, x, alpha)``: ``y + alpha * x`` for a Python number, one
-  pass over memory on eager torch
+- ``add_scaled(y, x, alpha)``: ``y + alpha * x`` for a Python number or a
+  scalar tensor, one pass over memory on eager torch
 - ``uncompiled(fn)``: `fn` run eagerly inside a compiled step where the
   compiler cannot take it (torch.compile: LLQR's in-step refresh); `fn`
   itself where the step is traced whole (JAX, TensorFlow)

@@ -13,7 +13,8 @@ def uncompiled(fn):
 
 
 def add_scaled(y, x, alpha):
-    """``y + alpha * x`` for a Python number `alpha` (XLA fuses the two)."""
+    """``y + alpha * x`` for a Python number or scalar tensor `alpha` (XLA
+    fuses the two)."""
     return y + alpha * x
 
 

@@ -206,7 +206,11 @@ def compile(fn):
 
 def add_scaled(y, x, alpha):
     """``y + alpha * x`` in one pass over memory (two eager ops would make
-    two): the LLQR refresh's heavy-ball update, 50 times per refresh."""
+    two): the LLQR refresh's heavy-ball update, 50 times per refresh, and
+    the perturbed weights of a SAM step (`alpha` a scalar tensor there,
+    never read on the host)."""
+    if isinstance(alpha, torch.Tensor):
+        return torch.addcmul(y, x, alpha)
     return torch.add(y, x, alpha=alpha)
 
 
@@ -221,6 +225,11 @@ def vdot(a, b, dtype=None):
         return ops.zeros((), dtype or "float32")
     if dtype is not None:
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if a is b and len({x.dtype for x in a} | ({dtype} if dtype else set())) == 1:
+        # A squared norm: torch's multi-tensor norm kernel is ~2.5x faster
+        # on CPU than one dot per tensor (and accumulates in double there).
+        norms = torch.stack(torch._foreach_norm(a))
+        return (norms * norms).sum()
     parts = []
     for x, y in zip(a, b):
         same = x is y

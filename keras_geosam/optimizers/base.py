@@ -19,7 +19,9 @@ unless a keras_geosam step owns it (``kg.Model``, ``kg.Sequential`` or
 """
 
 import keras
+from keras import ops
 
+from keras_geosam import backend
 from keras_geosam._checks import check_number
 
 _ATTACH_HINT = (
@@ -159,7 +161,29 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
         """Creates the optimizer's own variables (none by default)."""
 
     def perturbation(self, centre_grads, values):
-        raise NotImplementedError
+        """The perturbation eps (a list like `values`). Subclasses define
+        this or, when eps is a scalar times a direction,
+        ``scaled_perturbation``."""
+        scale, direction = self.scaled_perturbation(centre_grads, values)
+        return [scale * d for d in direction]
+
+    def scaled_perturbation(self, centre_grads, values):
+        """eps as ``(scale, direction)``, eps = scale * direction, with
+        `scale` a scalar tensor: the step then forms theta + eps in one
+        pass over memory (``perturbed_weights``)."""
+        raise NotImplementedError(f"{type(self).__name__} defines neither perturbation nor scaled_perturbation.")
+
+    def perturbed_weights(self, centre_grads, values):
+        """theta + eps, the weights of the perturbed pass."""
+        if type(self).scaled_perturbation is TwoPassOptimizer.scaled_perturbation:
+            eps = self.perturbation(centre_grads, values)
+            return [t + ops.cast(e, t.dtype) for t, e in zip(values, eps)]
+        scale, direction = self.scaled_perturbation(centre_grads, values)
+        scales = {}  # the scalar in each weight dtype, cast once
+        for t in values:
+            if t.dtype not in scales:
+                scales[t.dtype] = ops.cast(scale, t.dtype)
+        return [backend.add_scaled(t, ops.cast(d, t.dtype), scales[t.dtype]) for t, d in zip(values, direction)]
 
     def update_state(self, centre_grads, perturbed_grads):
         """Updates own variables after both passes (nothing by default)."""

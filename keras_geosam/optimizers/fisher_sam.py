@@ -55,10 +55,10 @@ class FisherSAM(TwoPassOptimizer):
         self.rho = self.check_hyperparameter("rho", rho)
         self.eta = self.check_hyperparameter("eta", eta, strict=True)
 
-    def perturbation(self, centre_grads, values):
+    def scaled_perturbation(self, centre_grads, values):
         w = [g / (g * g + self.eta) for g in centre_grads]
         norm = ops.sqrt(backend.vdot(centre_grads, w) + 1e-12)
-        return [(self.rho / norm) * x for x in w]
+        return self.rho / norm, w
 
     def get_config(self):
         config = super().get_config()

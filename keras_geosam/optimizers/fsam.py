@@ -64,10 +64,10 @@ class FSAM(TwoPassOptimizer):
     def build_state(self, var_list):
         self._average = [self.own_variable(v, "grad_average") for v in var_list]
 
-    def perturbation(self, centre_grads, values):
-        d = [g - self.sigma * ops.cast(m, g.dtype) for g, m in zip(centre_grads, self._average)]
+    def scaled_perturbation(self, centre_grads, values):
+        d = [backend.add_scaled(g, ops.cast(m, g.dtype), -self.sigma) for g, m in zip(centre_grads, self._average)]
         norm = ops.sqrt(backend.vdot(d, d) + 1e-12)
-        return [(self.rho / norm) * x for x in d]
+        return self.rho / norm, d
 
     def update_state(self, centre_grads, perturbed_grads):
         b = self.momentum

@@ -108,10 +108,10 @@ class LLQRSAM(PreconditionedOptimizer):
         super().build_state(var_list)
         self._average = [self.add_variable_from_reference(v, "grad_average") for v in var_list] if self.ascent == "fsam" else []
 
-    def perturbation(self, centre_grads, values):
+    def scaled_perturbation(self, centre_grads, values):
         v = centre_grads
         if self.ascent == "fsam":
-            v = [g - self.fsam_sigma * ops.cast(m, g.dtype) for g, m in zip(centre_grads, self._average)]
+            v = [backend.add_scaled(g, ops.cast(m, g.dtype), -self.fsam_sigma) for g, m in zip(centre_grads, self._average)]
         w = self.precondition(v)
         if self.norm == "euclidean":
             sq = backend.vdot(w, w)
@@ -120,7 +120,7 @@ class LLQRSAM(PreconditionedOptimizer):
         scale = self.rho / ops.sqrt(sq + 1e-12)
         if self.sam_start_step:
             scale = scale * ops.cast(ops.greater_equal(self.iterations, self.sam_start_step), scale.dtype)
-        return [scale * x for x in w]
+        return scale, w
 
     def update_state(self, centre_grads, perturbed_grads):
         b = self.fsam_momentum

@@ -63,13 +63,11 @@ class SAM(TwoPassOptimizer):
             return [None] * len(values)
         return [ops.abs(v) + self.eta if len(v.shape) > 1 else None for v in values]
 
-    def perturbation(self, centre_grads, values):
+    def scaled_perturbation(self, centre_grads, values):
         T = self._scale(values)
         tg = [g if t is None else t * g for g, t in zip(centre_grads, T)]
         norm = ops.sqrt(backend.vdot(tg, tg) + 1e-12)
-        return [
-            (self.rho / norm) * (x if t is None else t * x) for x, t in zip(tg, T)
-        ]
+        return self.rho / norm, [x if t is None else t * x for x, t in zip(tg, T)]
 
     def get_config(self):
         config = super().get_config()

@@ -5,7 +5,7 @@ as values passed to ``stateless_call`` (nothing is perturbed in place and
 restored), and the update is applied at the unperturbed weights:
 
     g_c = grad L_B(theta)              centre pass
-    eps = optimizer.perturbation(g_c)
+    eps = optimizer.perturbation(g_c)  (formed as optimizer.perturbed_weights)
     g_p = grad L_B(theta + eps)        perturbed pass, same batch
     theta <- base_optimizer(theta, optimizer.descent_gradients(g_c, g_p))
 
@@ -95,8 +95,7 @@ def two_pass(model, optimizer, tv, ntv, mv, x, y, sw, scale=None):
             "loss_c": loss_c, "loss_p": loss_c, "g_c": g_c, "g_p": g_c,
             "y_pred": y_pred, "ntv": ntv_c, "mv": mv_c,
         })
-    eps = optimizer.perturbation(g_c, list(tv))
-    tv_p = [t + ops.cast(e, t.dtype) for t, e in zip(tv, eps)]
+    tv_p = optimizer.perturbed_weights(g_c, list(tv))
     # Floats restart from the step's values (one pass updates BN statistics);
     # integer RNG state continues from the centre pass unless dropout="same".
     fresh = optimizer.dropout == "fresh"
