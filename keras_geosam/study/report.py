@@ -218,8 +218,8 @@ def plot(rows, summary, path, gap="gap_loss"):
     handles = [plt.Line2D([], [], color=colors[o], marker="o", ls="", label=o) for o in optimizers]
     handles += [plt.Line2D([], [], color="gray", marker=markers[b], ls="", label=f"B={b}") for b in batches]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7, frameon=False)
-    fig.suptitle(f"Does sharpness predict generalisation? Bars: 2 stderr (none: exact); "
-                 f"Kendall tau with the gap, [bootstrap interval]", fontsize=10)
+    fig.suptitle("Does sharpness predict generalisation? Bars: 2 stderr (none: exact); "
+                 "Kendall tau with the gap, [bootstrap interval]", fontsize=10)
     fig.tight_layout(rect=(0, 0.04, 1, 0.97))
     fig.savefig(path, dpi=100)
     plt.close(fig)
