@@ -110,3 +110,21 @@ def test_callbacks_and_validation_split():
     assert len(h.history["loss"]) == 2  # EarlyStopping acted on val_loss
     assert "val_loss" in h.history and "val_sharpness_gap" not in h.history
     assert {"loss", "sharpness_gap", "grad_norm", "grad_cosine"} <= set(seen[-1])
+
+
+@pytest.mark.parametrize("make", [
+    lambda: kg.optimizers.SAM(keras.optimizers.SGD(0.1)),
+    lambda: kg.optimizers.LLQRSAM(keras.optimizers.SGD(0.1), structure="kfac", refresh_every=2, refresh_steps=2),
+])
+def test_a_model_without_an_input_layer_builds_at_fit(make):
+    # TensorFlow's trainer builds such a model inside the first trace; the
+    # two-pass step needs it (and U) built before. No batch is lost to it.
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(12, 5)).astype("float32"), rng.integers(0, 3, size=12)
+    model = kg.Sequential([keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(3)])
+    model.compile(optimizer=make(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 6
+    assert np.all(np.isfinite(history.history["loss"]))
+    if hasattr(model.optimizer, "refreshes"):
+        assert int(keras.ops.convert_to_numpy(model.optimizer.refreshes)) == 3

@@ -332,6 +332,105 @@ def test_host_skips_the_refresh_branch_between_due_steps(monkeypatch):
         assert results[2][3] == [0, 2, 4]
 
 
+def _schedule_log(opt_kwargs, x, y, batch_size=2, base_kwargs=None, cls=None, before_fit=None, callbacks=()):
+    """The model and ``refreshes`` after every step of one fit of an LLQR model."""
+    opt = kg.optimizers.LLQR(keras.optimizers.SGD(0.2, **(base_kwargs or {})), refresh_steps=3, **opt_kwargs)
+    model, _ = build(opt, cls=cls)
+    if before_fit is not None:
+        before_fit(model)
+    rec = Recorder()
+    fit(model, x, y, batch_size, callbacks=[rec, *callbacks])
+    return model, rec.refreshes
+
+
+def test_host_bounds_follow_schedule_changes_and_a_counter_reset():
+    """The host's bounds read refresh_every / refresh_until at every check
+    (changed between fits, the new schedule holds), and a callback that
+    resets the step counter mid-fit gets its refresh at the reset step
+    (JAX: the state Keras re-reads from the variables restarts the bounds;
+    TF decides in the graph; torch notices only at the next fit, so it is
+    not checked there)."""
+    x, y = ref.make_data(52, 12, D_IN, K)
+    model, log = _schedule_log(dict(refresh_every=3, refresh_until=2), x[:8], y[:8])
+    assert log == [1, 1, 1, 1]
+    # The schedule is compiled into the step (JAX, TF): rebuild it.
+    model.optimizer.preconditioner.refresh_until = None
+    model.make_train_function(force=True)
+    rec = Recorder()
+    fit(model, x, y, 2, callbacks=[rec])  # steps 4..9: due at 6 and 9
+    assert rec.refreshes == [1, 1, 2, 2, 2, 3]
+    model.optimizer.preconditioner.refresh_every = 2
+    model.make_train_function(force=True)
+    rec = Recorder()
+    fit(model, x[:8], y[:8], 2, callbacks=[rec])  # steps 10..13: due at 10 and 12
+    assert rec.refreshes == [4, 4, 5, 5]
+
+    class Reset(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                self.model.optimizer.iterations.assign(0)
+
+    if BACKEND != "torch":
+        opt = kg.optimizers.LLQR(keras.optimizers.SGD(0.2), refresh_steps=3, refresh_every=3)
+        model, _ = build(opt)
+        rec = Recorder()
+        model.fit(x[:10], y[:10], batch_size=2, epochs=2, shuffle=False, verbose=0, callbacks=[Reset(), rec])
+        # Epoch 0: steps 0..4 (due at 0, 3); epoch 1 restarts at 0 (due at 0, 3).
+        assert rec.refreshes == [1, 1, 1, 2, 2, 3, 3, 3, 4, 4]
+
+
+def test_host_bounds_under_gradient_accumulation_and_an_early_train_function(monkeypatch):
+    """With gradient_accumulation_steps=2 the bounds count micro-batches
+    (due every 2 * refresh_every): refreshes before micro-batches 0 and 4
+    only, the counter read at 0, 1, 4, 5. A train function made before the
+    model (and so the optimizer) is built still finds the counter."""
+    from keras_geosam.optimizers.preconditioned import RefreshBounds
+
+    decisions, reads = [], []
+    stock = RefreshBounds.next_step
+
+    def spy(self, read_counter, can_read=True):
+        def read():
+            reads.append(read_counter())
+            return reads[-1]
+
+        decisions.append(stock(self, read, can_read))
+        return decisions[-1]
+
+    monkeypatch.setattr(RefreshBounds, "next_step", spy)
+    x, y = ref.make_data(53, 16, D_IN, K)
+    _, log = _schedule_log(dict(refresh_every=2), x, y, base_kwargs=dict(gradient_accumulation_steps=2))
+    assert log == [1, 1, 1, 1, 2, 2, 2, 2]
+    if BACKEND != "tensorflow":
+        assert decisions == [True, False, False, False, True, False, False, False]
+        assert reads == [0, 1, 4, 5]
+    decisions.clear(), reads.clear()
+    plain = kg.Sequential([keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(K)])  # built at fit
+    plain.compile(optimizer=kg.optimizers.LLQR(keras.optimizers.SGD(0.2), refresh_steps=3, refresh_every=3), loss=sce())
+    plain.make_train_function()
+    rec = Recorder()
+    fit(plain, x[:12], y[:12], 2, callbacks=[rec])
+    assert rec.refreshes == [1, 1, 1, 2, 2, 2]
+    if BACKEND != "tensorflow":
+        assert decisions == [True, False, False, True, False, False] and reads == [0, 1, 3, 4]
+
+
+def test_a_train_step_override_that_unpacks_its_data_still_trains():
+    """JAX marks batches that skip the refresh branch with a tuple subclass:
+    an override in the usual Keras pattern (unpack, transform, pass on)
+    keeps working, and gets every refresh (its step keeps the branch)."""
+
+    class Scaled(kg.Sequential):
+        def train_step(self, *args):
+            *state, data = args
+            x, y = data
+            return super().train_step(*state, (x * 1.0, y))
+
+    x, y = ref.make_data(54, 12, D_IN, K)
+    _, log = _schedule_log(dict(refresh_every=3), x, y, cls=Scaled)
+    assert log == [1, 1, 1, 2, 2, 2]
+
+
 def test_llqrsam_with_rho_zero_is_llqr():
     """Same weights, same U and same refresh schedule after six steps."""
     a, b = llqr_run("llqr"), llqr_run("llqrsam_rho0")
@@ -644,8 +743,8 @@ def test_building_and_refreshing_gives_no_dtype_warnings():
     assert "int64" not in out.stderr, out.stderr[-3000:]
 
 
-@pytest.mark.parametrize("structure", ["diagonal", "kfac"])
-def test_a_skipped_step_leaves_u_and_the_refresh_count_alone(structure, step_branching):
+@pytest.mark.parametrize("structure,every", [("diagonal", 2), ("kfac", 2), ("diagonal", 3)])
+def test_a_skipped_step_leaves_u_and_the_refresh_count_alone(structure, every, step_branching):
     """A NaN batch on a refresh-due step: U, `refreshes` and every optimizer
     variable stay as they were, and the refresh happens on the next finite
     step, so [NaN, good, good] equals an uninterrupted [good, good]."""
@@ -654,7 +753,8 @@ def test_a_skipped_step_leaves_u_and_the_refresh_count_alone(structure, step_bra
     bad[1, 0] = np.nan
     runs = {}
     for name, (xs, ys) in {"with_nan": (np.concatenate([bad, x]), np.concatenate([y[:4], y])), "clean": (x, y)}.items():
-        opt = kg.optimizers.LLQRSAM(sgd(0.1), structure=structure, refresh_every=2, rho=0.2)
+        # every=3: on JAX the host's bounds decide (2 keeps the branch always).
+        opt = kg.optimizers.LLQRSAM(sgd(0.1), structure=structure, refresh_every=every, rho=0.2)
         model, _ = build(opt)
         rec = Recorder()
         hist = fit(model, xs, ys, 4, callbacks=[rec])

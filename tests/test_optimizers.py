@@ -201,6 +201,43 @@ def test_two_pass_perturbed_gradient_is_taken_at_theta_plus_eps(kind):
     assert_weights_close(ref.weights_of(model), init, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kind", ["sam", "asam", "fsam", "fisher"])
+def test_public_perturbation_is_what_the_step_adds(kind):
+    """The step forms theta + eps in one pass (``perturbed_weights``, from
+    ``scaled_perturbation``); ``perturbation()`` still returns that eps."""
+    model = ref.build_keras(MLP, 4)
+    ref.set_weights(model, 9)
+    opt = make_optimizer(kind, keras.optimizers.SGD(0.1), rho=0.5)
+    model.compile(optimizer=opt, loss=sce())
+    opt.build(model.trainable_variables)
+    rng = np.random.default_rng(11)
+    values = [v.value for v in model.trainable_variables]
+    grads = [keras.ops.convert_to_tensor(rng.normal(size=v.shape).astype("float32")) for v in values]
+    eps = [keras.ops.convert_to_numpy(e) for e in opt.perturbation(grads, values)]
+    moved = [keras.ops.convert_to_numpy(p - v) for p, v in zip(opt.perturbed_weights(grads, values), values)]
+    assert_weights_close(moved, eps, rtol=1e-4, atol=1e-6)
+    if kind == "sam":
+        assert math.isclose(math.sqrt(sum(float(np.sum(e * e)) for e in eps)), 0.5, rel_tol=1e-3)
+
+
+def test_a_subclass_overriding_perturbation_alone_is_honoured():
+    """A subclass of SAM that overrides ``perturbation`` (here: no
+    perturbation at all) is what the step uses, although SAM itself
+    defines ``scaled_perturbation``: it trains exactly as its base."""
+
+    class NoAscent(kg.optimizers.SAM):
+        def perturbation(self, centre_grads, values):
+            return [keras.ops.zeros_like(g) for g in centre_grads]
+
+    x, y = ref.make_data(5, 16, 4, 3)
+    model, init, _ = train(MLP, NoAscent(_make_base("sgd_momentum"), rho=0.5), x, y, 4, 2)
+    init2, plain = _plain_run("sgd_momentum", x, y)
+    assert_weights_close(init, init2, rtol=0, atol=0)
+    assert_weights_close(ref.weights_of(model), plain, rtol=1e-5, atol=1e-6)
+    sam, _, _ = train(MLP, kg.optimizers.SAM(_make_base("sgd_momentum"), rho=0.5), x, y, 4, 2)
+    assert max_abs_diff(ref.weights_of(sam), plain) > 1e-3  # SAM's own ascent matters here
+
+
 def test_logged_statistics_show_the_perturbation():
     x, y = ref.make_data(10, 8, 4, 3)
     hp = {"rho": 0.5}

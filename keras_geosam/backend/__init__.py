@@ -54,7 +54,7 @@ a list of backend tensors:
   itself where the step is traced whole (JAX, TensorFlow)
 - ``cond_apply(pred, apply_fn, skip_fn, args, state=())``: a conditional optimizer
   update that is legal under tf.distribute
-- ``gate_preparation(train_function, prepare, counter_index)`` /
+- ``gate_preparation(train_function, gate)`` /
   ``unwrap_unprepared(data)``: JAX dispatches a step that needs no
   ``prepare_step`` (no LLQR refresh can be due) to a second compiled
   program without that branch; identity / ``(data, True)`` elsewhere

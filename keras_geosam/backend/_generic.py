@@ -29,7 +29,7 @@ def vdot(a, b, dtype=None):
     return sum(ops.sum(ops.multiply(x, y)) for x, y in zip(a, b))
 
 
-def gate_preparation(train_function, prepare, counter_index):
+def gate_preparation(train_function, gate):
     """`train_function` itself: only JAX dispatches steps without the
     optimizer's preparation (TensorFlow's graph cond is free; eager torch
     decides on the host inside the step)."""

@@ -169,46 +169,53 @@ def save_from_primary(save):
     multihost_utils.sync_global_devices("keras_geosam.save_from_primary")
 
 
-@jax.tree_util.register_pytree_node_class
-class Unprepared:
-    """A batch whose train step skips the optimizer's ``prepare_step``. A
-    pytree node of its own: the one ``jit`` Keras built (donation, output
-    shardings) compiles a second program for it, without that branch."""
-
-    def __init__(self, data):
-        self.data = data
-
-    def tree_flatten(self):
-        return (self.data,), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        return cls(children[0])
+class Unprepared(tuple):
+    """A batch ``(x, y, ...)`` whose train step skips the optimizer's
+    ``prepare_step``. A tuple, so a ``train_step`` override that unpacks its
+    data still works (it then passes a plain tuple on, and its step keeps
+    the branch); a pytree node of its own, so the one ``jit`` Keras built
+    (donation, output shardings) compiles a second program for it."""
 
 
-def gate_preparation(train_function, prepare, counter_index):
+jax.tree_util.register_pytree_node(Unprepared, lambda t: (tuple(t), None), lambda _, children: Unprepared(children))
+
+
+def gate_preparation(train_function, gate):
     """Keras' JAX ``train_function(state, iterator)``, each of whose steps
-    asks the host ``prepare(read_counter, first_step)`` whether the optimizer's
-    ``prepare_step`` (LLQR's in-step refresh) may have work to do; when not,
-    the step runs a program without it. Even a branch not taken costs on
-    XLA (its operands, such as U, are copied out of the donated state).
+    asks the host ``gate.next_step(read_counter, can_read)`` whether the
+    optimizer's ``prepare_step`` (LLQR's in-step refresh) may have work to
+    do; when not, the step runs a program without it. Even a branch not
+    taken costs on XLA (its operands, such as U, are copied out of the
+    donated state).
 
-    ``read_counter()`` reads the optimizer variable ``counter_index`` of the
-    state the call started from (a device-to-host transfer, so only valid
-    for the call's first step; ``steps_per_execution`` runs several)."""
+    ``gate.counter_index()`` locates the step counter among the optimizer
+    variables at each call (building the optimizer adds variables before
+    it); ``read_counter()`` reads it from the state the call started from,
+    so only for the call's first step (``steps_per_execution`` runs
+    several). When that counter is not the one the previous call returned,
+    Keras re-read the state from the variables (a callback or the user may
+    have set them): ``gate.restart()`` drops what the host knew."""
+    returned = [None]
 
     def gated(state, iterator):
+        index = gate.counter_index()
+        counter = None if index is None else state[2][index]
+        if counter is None or counter is not returned[0]:
+            gate.restart()
+
         def read_counter():
-            value = state[2][counter_index]
-            return int(jax.device_get(value.addressable_data(0)))
+            return int(jax.device_get(counter.addressable_data(0)))
 
         def batches():
             first = True
             for data in iterator:
-                yield data if prepare(read_counter, first) else Unprepared(data)
+                due = gate.next_step(read_counter, first and counter is not None)
                 first = False
+                yield data if due or not isinstance(data, tuple) else Unprepared(data)
 
-        return train_function(state, batches())
+        logs, state = train_function(state, batches())
+        returned[0] = None if index is None else state[2][index]
+        return logs, state
 
     return gated
 
@@ -216,7 +223,7 @@ def gate_preparation(train_function, prepare, counter_index):
 def unwrap_unprepared(data):
     """``(batch, prepare)`` for a step's data (see ``gate_preparation``)."""
     if isinstance(data, Unprepared):
-        return data.data, False
+        return tuple(data), False
     return data, True
 
 

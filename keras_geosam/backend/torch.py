@@ -216,9 +216,10 @@ def add_scaled(y, x, alpha):
 
 def vdot(a, b, dtype=None):
     """``sum_i <a_i, b_i>`` over two lists of like-shaped tensors, in
-    `dtype` (default: their own). One ``torch.dot`` per pair: the Keras-op
-    version costs three dispatches per tensor, which on an eager step is a
-    large share of a small model's SAM step."""
+    `dtype` (default: their own). A squared norm (`b` is `a`) is one
+    multi-tensor norm call; otherwise one ``torch.dot`` per pair. The
+    Keras-op version costs three dispatches per tensor, which on an eager
+    step is a large share of a small model's SAM step."""
     if not a:
         from keras import ops
 

@@ -7,7 +7,10 @@ rate schedules, momentum, weight decay, clipping, EMA and gradient
 accumulation all come from the base. It offers the two-pass train step
 (``keras_geosam.training``) three pure pieces, written in ``keras.ops``:
 
-- ``perturbation(centre_grads, values)`` -> eps (reads only its own state);
+- ``perturbation(centre_grads, values)`` -> eps (reads only its own state),
+  or ``scaled_perturbation(centre_grads, values)`` -> ``(scale, direction)``
+  when eps is a scalar times a direction (the step then forms theta + eps in
+  one pass); whichever the most derived class defines is used;
 - ``update_state(centre_grads, perturbed_grads)`` (e.g. F-SAM's average);
 - ``descent_gradients(centre_grads, perturbed_grads, values)`` -> what the
   base optimizer receives (default: the perturbed gradient).
@@ -44,11 +47,26 @@ _BASE_ONLY_KWARGS = {
 }
 
 
+def _defined_in(cls, name):
+    return next(k for k in cls.__mro__ if name in k.__dict__)
+
+
+def _scaled_is_newest(cls):
+    """Whether `cls` takes eps from ``scaled_perturbation``: the class that
+    defines it is at least as derived as the one defining ``perturbation``
+    (so a subclass overriding ``perturbation`` alone is honoured)."""
+    scaled = _defined_in(cls, "scaled_perturbation")
+    return scaled is not TwoPassOptimizer and issubclass(scaled, _defined_in(cls, "perturbation"))
+
+
 class TwoPassOptimizer(keras.optimizers.Optimizer):
     """Base class of the two-pass optimizers: wraps a base optimizer.
 
     Subclasses define ``perturbation(centre_grads, values)`` (the step eps)
-    and may override ``update_state`` and ``descent_gradients`` (module doc).
+    or ``scaled_perturbation`` (eps as a scale and a direction), and may
+    override ``update_state`` and ``descent_gradients`` (module doc). A
+    subclass of SAM that overrides ``perturbation`` alone is honoured: the
+    step uses whichever of the two the most derived class defines.
     Learning rate, iterations, momentum, weight decay and clipping all
     belong to the base optimizer. Train with ``kg.Model``,
     ``kg.Sequential`` or ``kg.attach(model)``.
@@ -175,7 +193,7 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
 
     def perturbed_weights(self, centre_grads, values):
         """theta + eps, the weights of the perturbed pass."""
-        if type(self).scaled_perturbation is TwoPassOptimizer.scaled_perturbation:
+        if not _scaled_is_newest(type(self)):
             eps = self.perturbation(centre_grads, values)
             return [t + ops.cast(e, t.dtype) for t, e in zip(values, eps)]
         scale, direction = self.scaled_perturbation(centre_grads, values)

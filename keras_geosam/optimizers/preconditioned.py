@@ -57,12 +57,27 @@ class PreconditionedOptimizer(TwoPassOptimizer):
         return self.preconditioner.refresh_source == "step"
 
     @property
+    def refresh_counter(self):
+        """The variable the host's ``refresh_bounds`` count: the base
+        optimizer's step counter, in micro-batches under gradient
+        accumulation (where ``iterations`` is derived from it)."""
+        return self.base_optimizer._iterations
+
+    def refresh_schedule(self):
+        """``(every, until)`` in ``refresh_counter``'s units: with k-step
+        gradient accumulation a refresh is due at micro-batch counts that
+        are multiples of k * refresh_every (the first micro-batch of a due
+        optimizer step), exactly as ``refresh_due`` decides on the device."""
+        k = self.base_optimizer.gradient_accumulation_steps or 1
+        until = self.preconditioner.refresh_until
+        return self.preconditioner.refresh_every * k, None if until is None else until * k
+
+    @property
     def refresh_bounds(self):
-        """The host's :class:`RefreshBounds` on this optimizer's step counter."""
+        """The host's :class:`RefreshBounds` on ``refresh_counter``."""
         bounds = self.__dict__.get("_refresh_bounds")
         if bounds is None:
-            pre = self.preconditioner
-            bounds = self._refresh_bounds = RefreshBounds(pre.refresh_every, pre.refresh_until)
+            bounds = self._refresh_bounds = RefreshBounds(self.refresh_schedule)
         return bounds
 
     def prepare_step(self, model, values, non_trainable, x, y):
@@ -84,7 +99,7 @@ class PreconditionedOptimizer(TwoPassOptimizer):
         only when the host's bounds on it allow a due step."""
         from keras import ops
 
-        return self.refresh_bounds.next_step(lambda: int(ops.convert_to_numpy(self.iterations)))
+        return self.refresh_bounds.next_step(lambda: int(ops.convert_to_numpy(self.refresh_counter)))
 
     def forget_step_bounds(self):
         """The step counter may have changed behind the host's back."""
@@ -115,21 +130,21 @@ class PreconditionedOptimizer(TwoPassOptimizer):
 
 
 class RefreshBounds:
-    """Host-side bounds ``[low, high]`` on the optimizer's step counter, so
-    that most steps know without reading the device that no refresh is due
-    (the counter is a multiple of ``every`` below ``until``).
+    """Host-side bounds ``[low, high]`` on a step counter, so that most
+    steps know without reading the device that no refresh is due: a refresh
+    is due when the counter is a multiple of ``every`` below ``until``, both
+    read from ``schedule()`` at every check (they may change between fits).
 
     A step advances the counter by at most one (not at all when it is
     skipped for non-finite values), so after each step ``high`` grows by
     one. Only when a due count lies within the bounds does the caller read
     the counter and ``collapse`` them onto it: about twice per refresh
     period. Unknown bounds (at the start, or after ``forget``) allow
-    anything. Under gradient accumulation a due count is necessary, not
-    sufficient: the compiled step still checks the micro-batch.
+    anything.
     """
 
-    def __init__(self, every, until=None):
-        self.every, self.until = int(every), until
+    def __init__(self, schedule):
+        self.schedule = schedule
         self.bounds = None
 
     @property
@@ -139,10 +154,11 @@ class RefreshBounds:
     def may_be_due(self):
         if self.bounds is None:
             return True
+        every, until = self.schedule()
         low, high = self.bounds
-        if self.until is not None:
-            high = min(high, self.until - 1)
-        return -(-low // self.every) * self.every <= high  # a multiple of `every` in [low, high]
+        if until is not None:
+            high = min(high, until - 1)
+        return -(-low // every) * every <= high  # a multiple of `every` in [low, high]
 
     def collapse(self, counter):
         self.bounds = (counter, counter)

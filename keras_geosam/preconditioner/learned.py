@@ -43,8 +43,9 @@ class LearnedPreconditioner:
             both SAM passes (the reference draws a separate fresh batch of
             128). Steps that are not due cost nothing extra: JAX and
             torch tell them apart on the host (JAX runs them as a second
-            compiled step without the refresh), TensorFlow's graph
-            condition is free. ``"callback"``: U is refreshed only by
+            compiled step without the refresh, when ``refresh_every`` is
+            above 2), TensorFlow's graph condition is free. ``"callback"``:
+            U is refreshed only by
             ``kg.callbacks.PreconditionerRefresh(x, y)`` from a dataset you
             pass, before the step that is due.
         refresh_steps, inner_learning_rate, inner_momentum, clip_norm: the

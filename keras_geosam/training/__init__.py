@@ -119,6 +119,28 @@ def _first_batch_for_build(model, iterator, data_batch):
     return iterator, data_batch
 
 
+def _build_before_tracing(model, iterator, data_batch):
+    """TensorFlow trainer only. Without a distribution strategy Keras 3.15
+    builds the model and optimizer inside the first trace of the train
+    function; the two-pass step needs both before it (``stateless_call`` on
+    the model, U and its refresh count in the optimizer), so a model
+    without an ``Input`` is built here from the first batch. Returns
+    whether it built."""
+    opt = _step.unwrap(getattr(model, "optimizer", None))[0]
+    if opt is None or getattr(model, "_distribute_strategy", None) is not None:
+        return False
+    if model.built and model.optimizer.built:
+        return False
+    if data_batch is None and iterator is not None:
+        data_batch = _local_batch(iterator)
+    if data_batch is None:
+        return False
+    model._symbolic_build(data_batch=data_batch)
+    if not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
+    return True
+
+
 def _replica_axis(model, logs):
     """A step's logs, given a leading replica axis under a multi-worker
     strategy. Keras 3.15 averages them over multi-worker replicas with
@@ -188,7 +210,8 @@ class TwoPassStepMixin:
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         iterator, data_batch = _first_batch_for_build(self, iterator, data_batch)
-        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
+        if not _build_before_tracing(self, iterator, data_batch):
+            return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def train_step(self, *args):
         if _step.unwrap(self.optimizer)[0] is None:
@@ -357,7 +380,8 @@ def attach(model):
 
     def maybe_symbolic_build(self, iterator=None, data_batch=None):
         iterator, data_batch = _first_batch_for_build(self, iterator, data_batch)
-        return stock_build(self, iterator=iterator, data_batch=data_batch)
+        if not _build_before_tracing(self, iterator, data_batch):
+            return stock_build(self, iterator=iterator, data_batch=data_batch)
 
     def compile(*args, **kwargs):
         stock_compile(*args, **kwargs)

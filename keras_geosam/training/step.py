@@ -5,7 +5,7 @@ as values passed to ``stateless_call`` (nothing is perturbed in place and
 restored), and the update is applied at the unperturbed weights:
 
     g_c = grad L_B(theta)              centre pass
-    eps = optimizer.perturbation(g_c)  (formed as optimizer.perturbed_weights)
+    eps = optimizer's perturbation of g_c
     g_p = grad L_B(theta + eps)        perturbed pass, same batch
     theta <- base_optimizer(theta, optimizer.descent_gradients(g_c, g_p))
 
@@ -22,6 +22,9 @@ the ``skipped_steps`` metric counts
 it, and under mixed_float16 the loss scale is halved. Nothing non-finite
 reaches the weights. The check reuses the squared norms the SAM statistics
 need anyway, instead of an element-wise isfinite pass over every gradient.
+
+theta + eps comes from ``optimizer.perturbed_weights`` (one pass when the
+optimizer gives eps as a scale and a direction).
 
 The JAX trainer passes state explicitly (``train_step(state, data)``);
 TensorFlow and torch mutate variables (``train_step(data)``).
@@ -218,26 +221,46 @@ def _loss_scale_grow(lso):
     lso.dynamic_scale.assign(ops.where(grow, scale * 2.0, scale))
 
 
+class _RefreshGate:
+    """The host's side of JAX's step gating (``backend.gate_preparation``):
+    the optimizer's ``refresh_bounds`` on its ``refresh_counter``."""
+
+    def __init__(self, model, opt):
+        self.model, self.opt = model, opt
+
+    def counter_index(self):
+        counter = self.opt.refresh_counter
+        return next((i for i, v in enumerate(self.model.optimizer.variables) if v is counter), None)
+
+    def restart(self):
+        self.opt.refresh_bounds.forget()
+
+    def next_step(self, read_counter, can_read):
+        if self.opt.refresh_schedule()[0] <= 2:
+            # Every step or every other may be due: the host would read the
+            # counter (and wait for the device) every step, for nothing.
+            self.restart()
+            return True
+        return self.opt.refresh_bounds.next_step(read_counter, can_read)
+
+
 def gate_preparation(model):
     """JAX: ``fit``'s steps that cannot need the optimizer's
     ``prepare_step`` (no LLQR refresh due: the host's ``refresh_bounds``
     rule it out) run a compiled step without that branch. Applied once per
-    train function; at every ``fit`` (which calls this) the bounds restart
-    from a read of the counter. A counter changed by hand in the middle of
-    ``fit`` would go unnoticed until then."""
+    train function. The bounds restart at every ``make_train_function``
+    (each ``fit`` and ``train_on_batch``) and, on JAX, whenever Keras hands
+    the step a counter it did not return (state re-read from the variables).
+    A ``train_step`` override that rebuilds its data tuple keeps the branch
+    in every step (correct, not faster)."""
     opt = unwrap(getattr(model, "optimizer", None))[0]
     fn = model.train_function
     if opt is None or not opt.prepares_steps or fn is None:
         return
-    bounds = opt.refresh_bounds
-    bounds.forget()  # the counter may have been set since the last call
+    opt.refresh_bounds.forget()  # the counter may have been set since the last call
     if getattr(fn, "_geosam_gated", False):
         return
-    counter = opt.iterations
-    index = next((i for i, v in enumerate(model.optimizer.variables) if v is counter), None)
-    if index is None:
-        return
-    gated = backend.gate_preparation(fn, bounds.next_step, index)
+    gated = backend.gate_preparation(fn, _RefreshGate(model, opt))
     if gated is not fn:
         gated._geosam_gated = True
         model.train_function = gated
