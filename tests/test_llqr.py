@@ -275,15 +275,10 @@ def test_refresh_schedule_in_step_and_no_retrace():
         assert run["calls"] == 6
 
 
-def test_host_skips_the_refresh_branch_between_due_steps(monkeypatch):
-    """JAX and torch decide on the host which steps may need a refresh
-    (``RefreshBounds``): with refresh_every=3 over 6 steps only steps 0 and
-    3 take the refresh branch, and the counter is read at steps 0, 1, 3, 4
-    only (a due step and the one after, which a skipped step would leave at
-    the due count). On JAX the other steps run a second compiled program
-    without the branch; TensorFlow keeps the branch in its graph. With
-    steps_per_execution=2 (JAX: the host reads only at a call's first step)
-    U and the weights are the same as with 1 (torch allows only 1)."""
+@pytest.fixture
+def host_log(monkeypatch):
+    """``(decisions, reads)``: what the host's ``RefreshBounds.next_step``
+    decided for each step and each step-counter value it read."""
     from keras_geosam.optimizers.preconditioned import RefreshBounds
 
     decisions, reads = [], []
@@ -298,6 +293,19 @@ def test_host_skips_the_refresh_branch_between_due_steps(monkeypatch):
         return decisions[-1]
 
     monkeypatch.setattr(RefreshBounds, "next_step", spy)
+    return decisions, reads
+
+
+def test_host_skips_the_refresh_branch_between_due_steps(host_log):
+    """JAX and torch decide on the host which steps may need a refresh
+    (``RefreshBounds``): with refresh_every=3 over 6 steps only steps 0 and
+    3 take the refresh branch, and the counter is read at steps 0, 1, 3, 4
+    only (a due step and the one after, which a skipped step would leave at
+    the due count). On JAX the other steps run a second compiled program
+    without the branch; TensorFlow keeps the branch in its graph. With
+    steps_per_execution=2 (JAX: the host reads only at a call's first step)
+    U and the weights are the same as with 1 (torch allows only 1)."""
+    decisions, reads = host_log
     x, y = ref.make_data(43, 12, D_IN, K)
     common = dict(refresh_every=3, refresh_steps=5, inner_learning_rate=0.05, beta=0.5, rho=0.1)
     results = {}
@@ -379,25 +387,13 @@ def test_host_bounds_follow_schedule_changes_and_a_counter_reset():
         assert rec.refreshes == [1, 1, 1, 2, 2, 3, 3, 3, 4, 4]
 
 
-def test_host_bounds_under_gradient_accumulation_and_an_early_train_function(monkeypatch):
+def test_host_bounds_under_gradient_accumulation_and_an_early_train_function(host_log):
     """With gradient_accumulation_steps=2 the bounds count micro-batches
     (due every 2 * refresh_every): refreshes before micro-batches 0 and 4
     only, the counter read at 0, 1, 4, 5. A train function made before the
-    model (and so the optimizer) is built still finds the counter."""
-    from keras_geosam.optimizers.preconditioned import RefreshBounds
-
-    decisions, reads = [], []
-    stock = RefreshBounds.next_step
-
-    def spy(self, read_counter, can_read=True):
-        def read():
-            reads.append(read_counter())
-            return reads[-1]
-
-        decisions.append(stock(self, read, can_read))
-        return decisions[-1]
-
-    monkeypatch.setattr(RefreshBounds, "next_step", spy)
+    model (and so the optimizer) is built still finds the counter. With a
+    period of 2 or less the host reads nothing."""
+    decisions, reads = host_log
     x, y = ref.make_data(53, 16, D_IN, K)
     _, log = _schedule_log(dict(refresh_every=2), x, y, base_kwargs=dict(gradient_accumulation_steps=2))
     assert log == [1, 1, 1, 1, 2, 2, 2, 2]
@@ -413,6 +409,13 @@ def test_host_bounds_under_gradient_accumulation_and_an_early_train_function(mon
     assert rec.refreshes == [1, 1, 1, 2, 2, 2]
     if BACKEND != "tensorflow":
         assert decisions == [True, False, False, True, False, False] and reads == [0, 1, 3, 4]
+    # refresh_every=2 without accumulation: any step may be due, so the host
+    # lets every step through to the device's check and reads nothing.
+    decisions.clear(), reads.clear()
+    _, log = _schedule_log(dict(refresh_every=2), x[:12], y[:12])
+    assert log == [1, 1, 2, 2, 3, 3]
+    if BACKEND != "tensorflow":
+        assert decisions == [True] * 6 and reads == []
 
 
 def test_a_train_step_override_that_unpacks_its_data_still_trains():

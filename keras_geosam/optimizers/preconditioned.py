@@ -140,7 +140,8 @@ class RefreshBounds:
     one. Only when a due count lies within the bounds does the caller read
     the counter and ``collapse`` them onto it: about twice per refresh
     period. Unknown bounds (at the start, or after ``forget``) allow
-    anything.
+    anything; the device-side ``refresh_due`` decides every step the host
+    lets through.
     """
 
     def __init__(self, schedule):
@@ -170,7 +171,12 @@ class RefreshBounds:
     def next_step(self, read_counter, can_read=True):
         """Whether the coming step may be due; then counts it. Calls
         ``read_counter()`` (a host read of the counter) only when the bounds
-        allow a due count and are not exact, and `can_read`."""
+        allow a due count and are not exact, and `can_read`. With
+        ``every <= 2`` every step may be due and nothing is read: reading
+        would wait for the device on every step, for nothing."""
+        if self.schedule()[0] <= 2:
+            self.forget()
+            return True
         if can_read and self.may_be_due() and not self.exact:
             self.collapse(read_counter())
         due = self.may_be_due()

@@ -236,11 +236,6 @@ class _RefreshGate:
         self.opt.refresh_bounds.forget()
 
     def next_step(self, read_counter, can_read):
-        if self.opt.refresh_schedule()[0] <= 2:
-            # Every step or every other may be due: the host would read the
-            # counter (and wait for the device) every step, for nothing.
-            self.restart()
-            return True
         return self.opt.refresh_bounds.next_step(read_counter, can_read)
 
 
