@@ -129,7 +129,11 @@ def test_unrolled_refresh_equals_the_loop():
 
     pre = LearnedPreconditioner(structure="kfac")
     pre.layout = structures.layout(model.trainable_variables, "kfac")
-    assert pre._unroll() == kb.slow_convolutions_in_loops
+    assert pre._unroll(model) == kb.slow_convolutions_in_loops
+    # Attention kernels have three axes but no convolution: the loop stays.
+    inputs = keras.Input((4, 6))
+    attention = keras.Model(inputs, keras.layers.MultiHeadAttention(2, 3)(inputs, inputs))
+    assert pre._unroll(attention) is False
     values = [v.value for v in model.trainable_variables]
     nt = [v.value for v in model.non_trainable_variables]
     gbar, gprod = pre._problem(model, values, nt, x, y)

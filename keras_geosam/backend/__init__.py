@@ -7,7 +7,11 @@ backend's own AD through one thin module each. Every module exposes the same
 functions, all taking a pure function ``f(params, *args)`` where ``params`` is
 a list of backend tensors:
 
-- ``value_and_grad(f, params, *args, has_aux=False)``
+- ``value_and_grad(f, params, *args, has_aux=False, sparse=False)``: with
+  `sparse`, TensorFlow may return a gather's (an Embedding's) gradient as a
+  ``tf.IndexedSlices``; every other derivative below is dense
+- ``densify(x)``: a gradient as a dense tensor (identity but for
+  IndexedSlices); ``scale(x, alpha)``: ``alpha * x``, sparse if `x` is
 - ``jvp(f, params, tangents, *args)`` -> ``(f(params), J tangents)``
 - ``vjp(f, params, cotangent, *args)`` -> ``J^T cotangent`` (list)
 - ``hvp(f, params, vectors, *args)`` -> Hessian of scalar ``f`` times ``vectors``
@@ -46,9 +50,11 @@ a list of backend tensors:
   multi-process JAX (every process waits); ``save()`` elsewhere
 - ``vdot(a, b, dtype=None)``: ``sum_i <a_i, b_i>`` over two lists of
   like-shaped tensors (norms and dot products of gradients; on torch a few
-  fused calls instead of three Keras ops per tensor)
+  fused calls instead of three Keras ops per tensor; IndexedSlices on
+  TensorFlow without a dense copy)
 - ``add_scaled(y, x, alpha)``: ``y + alpha * x`` for a Python number or a
-  scalar tensor, one pass over memory on eager torch
+  scalar tensor, one pass over memory on eager torch; an IndexedSlices
+  operand is scattered into the dense one
 - ``uncompiled(fn)``: `fn` run eagerly inside a compiled step where the
   compiler cannot take it (torch.compile: LLQR's in-step refresh); `fn`
   itself where the step is traced whole (JAX, TensorFlow)
@@ -94,6 +100,8 @@ all_reduce_sum = _impl.all_reduce_sum
 cond_apply = _impl.cond_apply
 vdot = _impl.vdot
 add_scaled = _impl.add_scaled
+densify = _impl.densify
+scale = _impl.scale
 uncompiled = _impl.uncompiled
 gate_preparation = _impl.gate_preparation
 unwrap_unprepared = _impl.unwrap_unprepared
@@ -125,6 +133,8 @@ __all__ = [
     "cond_apply",
     "vdot",
     "add_scaled",
+    "densify",
+    "scale",
     "uncompiled",
     "gate_preparation",
     "unwrap_unprepared",

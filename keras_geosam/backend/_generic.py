@@ -12,6 +12,16 @@ def uncompiled(fn):
     return fn
 
 
+def densify(x):
+    """`x` itself: only TensorFlow has sparse gradients (IndexedSlices)."""
+    return x
+
+
+def scale(x, alpha):
+    """``alpha * x`` (sparse on TensorFlow if `x` is)."""
+    return x * ops.cast(alpha, x.dtype) if hasattr(alpha, "dtype") else x * alpha
+
+
 def add_scaled(y, x, alpha):
     """``y + alpha * x`` for a Python number or scalar tensor `alpha` (XLA
     fuses the two)."""

@@ -13,8 +13,9 @@ slow_convolutions_in_loops = jax.default_backend() == "cpu"
 eager_steps = False
 
 
-def value_and_grad(f, params, *args, has_aux=False):
-    """Returns ``(value, grads)`` or, with ``has_aux``, ``((value, aux), grads)``."""
+def value_and_grad(f, params, *args, has_aux=False, sparse=False):
+    """Returns ``(value, grads)`` or, with ``has_aux``, ``((value, aux), grads)``
+    (JAX's gradients are always dense: `sparse` changes nothing)."""
     return jax.value_and_grad(f, has_aux=has_aux)(params, *args)
 
 
@@ -235,5 +236,7 @@ from keras_geosam.backend._single_device import replica_count  # noqa: E402,F401
 
 # The step is compiled, so the keras.ops forms cost no per-op dispatch.
 from keras_geosam.backend._generic import add_scaled  # noqa: E402,F401
+from keras_geosam.backend._generic import densify  # noqa: E402,F401
+from keras_geosam.backend._generic import scale  # noqa: E402,F401
 from keras_geosam.backend._generic import uncompiled  # noqa: E402,F401
 from keras_geosam.backend._generic import vdot  # noqa: E402,F401

@@ -13,13 +13,45 @@ slow_convolutions_in_loops = False
 eager_steps = False
 
 
-def value_and_grad(f, params, *args, has_aux=False):
+# A gather (an Embedding's lookup) has a sparse gradient, tf.IndexedSlices:
+# rows and their indices, repeated indices meaning sums. Only the train step
+# asks for it (``value_and_grad(..., sparse=True)``: the statistics, the
+# perturbation and the base optimizer's update take it as it is); every
+# other derivative here is dense, since what consumes it (a product with U,
+# an HVP, a probe's dot product) needs the whole vector.
+def densify(x, shape=None):
+    """`x` as a dense tensor (an IndexedSlices' rows summed into place),
+    with the static `shape` where given (the conversion may lose it)."""
+    if not isinstance(x, tf.IndexedSlices):
+        return x
+    dense = tf.convert_to_tensor(x)
+    if shape is not None:
+        dense = tf.ensure_shape(dense, shape)
+    return dense
+
+
+def _dense(grads, params=None):
+    """Dense gradients, with the shapes of `params` (or of their own
+    values' rows) kept static."""
+    if params is None:
+        return [densify(g) for g in grads]
+    return [densify(g, p.shape) for g, p in zip(grads, params)]
+
+
+def scale(x, alpha):
+    """``alpha * x``, sparse if `x` is."""
+    if isinstance(x, tf.IndexedSlices):
+        return tf.IndexedSlices(x.values * tf.cast(alpha, x.values.dtype), x.indices, x.dense_shape)
+    return x * tf.cast(alpha, x.dtype)
+
+
+def value_and_grad(f, params, *args, has_aux=False, sparse=False):
     with tf.GradientTape() as tape:
         tape.watch(params)
         out = f(params, *args)
     value = out[0] if has_aux else out
     grads = tape.gradient(value, params, unconnected_gradients=_ZERO)
-    return out, grads
+    return out, (list(grads) if sparse else _dense(grads, params))
 
 
 def jvp(f, params, tangents, *args):
@@ -32,19 +64,18 @@ def vjp(f, params, cotangent, *args):
     with tf.GradientTape() as tape:
         tape.watch(params)
         out = f(params, *args)
-    return tape.gradient(
-        out, params, output_gradients=cotangent, unconnected_gradients=_ZERO
-    )
+    return _dense(tape.gradient(out, params, output_gradients=cotangent, unconnected_gradients=_ZERO), params)
 
 
 def hvp(f, params, vectors, *args):
     # Forward-over-reverse: the accumulator pushes `vectors` through the tape's
-    # backward pass, costing about two to three gradients.
+    # backward pass, costing about two to three gradients. The gradient is
+    # made dense under the accumulator, which has no rule for IndexedSlices.
     with tf.autodiff.ForwardAccumulator(params, vectors) as acc:
         with tf.GradientTape() as tape:
             tape.watch(params)
             loss = f(params, *args)
-        grads = tape.gradient(loss, params, unconnected_gradients=_ZERO)
+        grads = _dense(tape.gradient(loss, params, unconnected_gradients=_ZERO), params)
     return [acc.jvp(g, unconnected_gradients=_ZERO) for g in grads]
 
 
@@ -59,10 +90,10 @@ def hvp_batched(f, params, vectors, *args):
         with tf.GradientTape() as inner:
             inner.watch(params)
             loss = f(params, *args)
-        grads = inner.gradient(loss, params, unconnected_gradients=_ZERO)
+        grads = _dense(inner.gradient(loss, params, unconnected_gradients=_ZERO), params)
     k = int(vectors[0].shape[0])
     rows = [
-        outer.gradient(grads, params, output_gradients=[v[i] for v in vectors], unconnected_gradients=_ZERO)
+        _dense(outer.gradient(grads, params, output_gradients=[v[i] for v in vectors], unconnected_gradients=_ZERO), params)
         for i in range(k)
     ]
     return [tf.stack(parts) for parts in zip(*rows)]
@@ -75,7 +106,7 @@ def value_and_vjp(f, params, *args):
     with tf.GradientTape() as tape:
         tape.watch(params)
         out = f(params, *args)
-    return out, lambda c: tape.gradient(out, params, output_gradients=c, unconnected_gradients=_ZERO)
+    return out, lambda c: _dense(tape.gradient(out, params, output_gradients=c, unconnected_gradients=_ZERO), params)
 
 
 def linearize(f, params, *args):
@@ -90,10 +121,10 @@ def linearize(f, params, *args):
     dummy = tf.zeros_like(out)
     with tf.GradientTape(persistent=True) as outer:
         outer.watch(dummy)
-        pulled = tape.gradient(out, params, output_gradients=dummy, unconnected_gradients=_ZERO)
+        pulled = _dense(tape.gradient(out, params, output_gradients=dummy, unconnected_gradients=_ZERO), params)
 
     def vjp_fn(c):
-        return tape.gradient(out, params, output_gradients=c, unconnected_gradients=_ZERO)
+        return _dense(tape.gradient(out, params, output_gradients=c, unconnected_gradients=_ZERO), params)
 
     def jvp_fn(t):
         return outer.gradient(pulled, dummy, output_gradients=list(t), unconnected_gradients=_ZERO)
@@ -112,10 +143,68 @@ def vjp_batched(f, params, *args, has_aux=False):
 
     def pullback(cot):
         return tf.vectorized_map(
-            lambda c: tape.gradient(value, params, output_gradients=c, unconnected_gradients=_ZERO), cot
+            lambda c: _dense(tape.gradient(value, params, output_gradients=c, unconnected_gradients=_ZERO), params), cot
         )
 
     return value, aux, pullback
+
+
+def _rows(x, dtype):
+    """An IndexedSlices' rows with repeated indices summed: ``(unique
+    indices, rows)``. Squares and products of the raw rows would be wrong
+    where a token occurs twice in the batch."""
+    unique, position = tf.unique(x.indices)
+    rows = tf.math.unsorted_segment_sum(tf.cast(x.values, dtype), position, tf.shape(unique)[0])
+    return unique, rows
+
+
+def _sparse_vdot(x, y, dtype):
+    """``<x, y>`` where `x` or `y` is an IndexedSlices, without a dense copy."""
+    if not isinstance(x, tf.IndexedSlices):
+        x, y = y, x
+    dtype = dtype or x.values.dtype
+    if y is x:
+        _, rows = _rows(x, dtype)
+        return tf.reduce_sum(tf.square(rows))
+    if not isinstance(y, tf.IndexedSlices):
+        # Linear in x: repeated indices may stay.
+        picked = tf.gather(tf.cast(y, dtype), x.indices)
+        return tf.reduce_sum(tf.cast(x.values, dtype) * picked)
+    n = tf.shape(x.indices)[0]
+    unique, position = tf.unique(tf.concat([x.indices, y.indices], 0))
+    count = tf.shape(unique)[0]
+    a = tf.math.unsorted_segment_sum(tf.cast(x.values, dtype), position[:n], count)
+    b = tf.math.unsorted_segment_sum(tf.cast(y.values, dtype), position[n:], count)
+    return tf.reduce_sum(a * b)
+
+
+def vdot(a, b, dtype=None):
+    """``sum_i <a_i, b_i>`` over two lists of like-shaped tensors, in
+    `dtype` (default: their own); IndexedSlices entries are summed over
+    their rows (``_sparse_vdot``), the rest as ``keras.ops`` would."""
+    sparse = [i for i, (x, y) in enumerate(zip(a, b)) if isinstance(x, tf.IndexedSlices) or isinstance(y, tf.IndexedSlices)]
+    if not sparse:
+        return _generic_vdot(a, b, dtype)
+    dense = [i for i in range(len(a)) if i not in sparse]
+    parts = [_sparse_vdot(a[i], b[i], dtype) for i in sparse]
+    if dense:
+        da = [a[i] for i in dense]
+        parts.append(_generic_vdot(da, da if b is a else [b[i] for i in dense], dtype))
+    return tf.add_n([tf.cast(p, parts[0].dtype) for p in parts])
+
+
+def add_scaled(y, x, alpha):
+    """``y + alpha * x`` for a number or scalar tensor `alpha`; an
+    IndexedSlices `x` or `y` is scattered into the other (dense) operand,
+    never made dense itself."""
+    if isinstance(x, tf.IndexedSlices):
+        if isinstance(y, tf.IndexedSlices):
+            y = densify(y)
+        update = x.values * tf.cast(alpha, x.values.dtype)
+        return tf.tensor_scatter_nd_add(y, x.indices[:, None], tf.cast(update, y.dtype))
+    if isinstance(y, tf.IndexedSlices):
+        return tf.tensor_scatter_nd_add(x * tf.cast(alpha, x.dtype), y.indices[:, None], tf.cast(y.values, x.dtype))
+    return _generic_add_scaled(y, x, alpha)
 
 
 def eigh(x):
@@ -246,8 +335,8 @@ from keras_geosam.backend._single_device import wait_for_step  # noqa: E402,F401
 from keras_geosam.backend._single_device import save_from_primary  # noqa: E402,F401
 
 # The step is compiled, so the keras.ops forms cost no per-op dispatch.
-from keras_geosam.backend._generic import add_scaled  # noqa: E402,F401
+from keras_geosam.backend._generic import add_scaled as _generic_add_scaled  # noqa: E402
 from keras_geosam.backend._generic import gate_preparation  # noqa: E402,F401
 from keras_geosam.backend._generic import unwrap_unprepared  # noqa: E402,F401
 from keras_geosam.backend._generic import uncompiled  # noqa: E402,F401
-from keras_geosam.backend._generic import vdot  # noqa: E402,F401
+from keras_geosam.backend._generic import vdot as _generic_vdot  # noqa: E402

@@ -10,6 +10,30 @@ import torch
 import torch.func
 
 
+def _math_attention(fn):
+    """`fn` run with PyTorch's math kernel for scaled dot-product attention.
+
+    Keras' MultiHeadAttention calls ``scaled_dot_product_attention``, which
+    on the CPU picks a fused (flash) kernel whose backward has no derivative
+    of its own and no vmap batching rule: a double backward (HVPs, GGN
+    products, LLQR's refresh), a forward-mode product or a vectorised
+    per-example gradient through it fails or falls back to a slow loop. The
+    math kernel is plain differentiable ops. First-order training (the
+    train step's gradients) keeps the fused kernel.
+    """
+    import functools
+
+    from torch.nn.attention import SDPBackend
+    from torch.nn.attention import sdpa_kernel
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with sdpa_kernel([SDPBackend.MATH]):
+            return fn(*args, **kwargs)
+
+    return run
+
+
 def _leaves(params):
     return [p.detach().requires_grad_(True) for p in params]
 
@@ -32,7 +56,9 @@ eager_steps = True
 BRANCH_FREE = torch.cuda.is_available()
 
 
-def value_and_grad(f, params, *args, has_aux=False):
+def value_and_grad(f, params, *args, has_aux=False, sparse=False):
+    # torch's gradients here are dense (Keras' Embedding uses a dense
+    # lookup): `sparse` changes nothing.
     with torch.enable_grad():
         leaves = _leaves(params)
         out = f(leaves, *args)
@@ -44,6 +70,7 @@ def value_and_grad(f, params, *args, has_aux=False):
     return value.detach(), grads
 
 
+@_math_attention
 def jvp(f, params, tangents, *args):
     return torch.func.jvp(lambda p: f(p, *args), (list(params),), (list(tangents),))
 
@@ -56,6 +83,7 @@ def vjp(f, params, cotangent, *args):
     return [g.detach() for g in _fill(grads, leaves)]
 
 
+@_math_attention
 def hvp(f, params, vectors, *args):
     # Forward-over-reverse with torch.func (functorch refuses
     # torch.autograd.grad inside its transforms, so f is differentiated by
@@ -93,6 +121,7 @@ def _batched_grad(outputs, leaves, cotangents):
     ]
 
 
+@_math_attention
 def hvp_batched(f, params, vectors, *args):
     # Reverse-over-reverse on one retained graph: the forward and the first
     # backward run once for all probes (leading axis k of `vectors`).
@@ -127,6 +156,7 @@ def value_and_vjp(f, params, *args):
     return _detach(out), pull
 
 
+@_math_attention
 def linearize(f, params, *args):
     """``(f(params), jvp_fn, vjp_fn)``: J t and J^T c of the tensor-valued
     ``f`` at `params`, on one retained graph. J t is the derivative of the
@@ -153,6 +183,7 @@ def linearize(f, params, *args):
     return out.detach(), jvp_fn, vjp_fn
 
 
+@_math_attention
 def vjp_batched(f, params, *args, has_aux=False):
     """``(value, aux, pullback)``; ``pullback(cotangents)`` maps cotangents
     with a leading axis k to gradients with that axis, reusing one forward."""
@@ -182,6 +213,7 @@ def eigh(x):
     return torch.linalg.eigh(x)
 
 
+@_math_attention
 def per_example_grads(f, params, *batch):
     def one(*example):
         return torch.func.grad(f)(list(params), *[e[None] for e in example])
@@ -285,6 +317,9 @@ from keras_geosam.backend._single_device import process_count  # noqa: E402,F401
 from keras_geosam.backend._single_device import wait_for_step  # noqa: E402,F401
 from keras_geosam.backend._single_device import save_from_primary  # noqa: E402,F401
 from keras_geosam.backend._single_device import replica_count  # noqa: E402,F401
+
+from keras_geosam.backend._generic import densify  # noqa: E402,F401
+from keras_geosam.backend._generic import scale  # noqa: E402,F401
 
 # Eager steps decide the refresh on the host, inside the step.
 from keras_geosam.backend._generic import gate_preparation  # noqa: E402,F401

@@ -264,12 +264,31 @@ def rule_for(layer, training=False):
     return None
 
 
+def leaf_layers(model):
+    """Every layer of `model` that holds no other layers (nested models and
+    containers such as MultiHeadAttention are walked into)."""
+    return [layer for layer in model._flatten_layers(include_self=False) if not list(layer._flatten_layers(include_self=False))]
+
+
+# Every Keras convolution (their kernel gradients are what XLA:CPU runs
+# slowly inside compiled loops).
+CONVOLUTIONS = tuple(
+    getattr(keras.layers, name) for name in (
+        "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose",
+        "DepthwiseConv1D", "DepthwiseConv2D", "SeparableConv1D", "SeparableConv2D",
+    ) if hasattr(keras.layers, name)
+)
+
+
+def has_trainable_convolutions(model):
+    """Whether `model` has a convolution layer with trainable weights."""
+    return any(isinstance(layer, CONVOLUTIONS) and layer.trainable_variables for layer in leaf_layers(model))
+
+
 def rules_for(model, training=False):
     """Rules for every covered layer of `model` (nested models included)."""
     out = []
-    for layer in model._flatten_layers(include_self=False):
-        if list(layer._flatten_layers(include_self=False)):
-            continue  # containers: their children get the rules
+    for layer in leaf_layers(model):
         rule = rule_for(layer, training)
         if rule is not None and rule.variables:
             out.append(rule)

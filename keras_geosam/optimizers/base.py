@@ -159,6 +159,12 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
     # centre gradient but still the model (to refresh U), hence this step.
     num_passes = 2
 
+    # Whether perturbation, update_state and descent_gradients take a sparse
+    # gradient (TensorFlow's IndexedSlices for an Embedding) through the
+    # backend's sparse-aware ops (vdot, add_scaled, scale); if not, the step
+    # hands them dense gradients (one dense copy of such a gradient per pass).
+    sparse_gradients = False
+
     # ---------------------------------------------------------- hooks ----
     # Whether prepare_step can do work; then ``refresh_bounds`` (host-side
     # bounds on the step counter) tells which steps may skip it.

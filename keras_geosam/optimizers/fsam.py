@@ -61,6 +61,9 @@ class FSAM(TwoPassOptimizer):
         if self.momentum >= 1.0:
             raise ValueError(f"momentum must be < 1, got {momentum!r}.")
 
+    # d = g - sigma m and the EMA scatter a sparse g into the dense average.
+    sparse_gradients = True
+
     def build_state(self, var_list):
         self._average = [self.own_variable(v, "grad_average") for v in var_list]
 
@@ -72,7 +75,7 @@ class FSAM(TwoPassOptimizer):
     def update_state(self, centre_grads, perturbed_grads):
         b = self.momentum
         for m, g in zip(self._average, centre_grads):
-            m.assign(b * m + (1.0 - b) * ops.cast(g, m.dtype))
+            m.assign(backend.add_scaled(b * m, ops.cast(g, m.dtype), 1.0 - b))
 
     def get_config(self):
         config = super().get_config()

@@ -58,6 +58,12 @@ class SAM(TwoPassOptimizer):
         self.adaptive = bool(adaptive)
         self.eta = self.check_hyperparameter("eta", eta)
 
+    @property
+    def sparse_gradients(self):
+        # SAM's eps = rho g / ||g|| and its descent keep a sparse gradient
+        # sparse; ASAM's element-wise T g needs it dense.
+        return not self.adaptive
+
     def _scale(self, values):
         if not self.adaptive:
             return [None] * len(values)

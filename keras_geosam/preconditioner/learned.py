@@ -6,6 +6,8 @@ optimizer variable) and asks this object for ``U v``, the descent direction
 and the refresh. See ``objective.py`` for the refresh itself.
 """
 
+import warnings
+
 import keras
 from keras import ops
 
@@ -13,6 +15,7 @@ from keras_geosam import backend
 from keras_geosam._checks import check_int as _check_int
 from keras_geosam._checks import check_number
 from keras_geosam.curvature.functional import model_functions
+from keras_geosam.curvature.layers import has_trainable_convolutions
 from keras_geosam.curvature.losses import require_classifier
 from keras_geosam.curvature.losses import resolve_loss
 from keras_geosam.preconditioner import objective
@@ -207,16 +210,25 @@ class LearnedPreconditioner:
             self.layout, [p.value for p in self.variables], gbar, gprod, self.groups,
             steps=self.refresh_steps, learning_rate=self.inner_learning_rate,
             momentum=self.inner_momentum, clip_norm=self.clip_norm, beta=self.beta,
-            min_diagonal=self.min_diagonal, unroll=self._unroll(),
+            min_diagonal=self.min_diagonal, unroll=self._unroll(model),
         )
 
-    def _unroll(self):
+    def _unroll(self, model):
         # XLA:CPU runs convolutions' kernel gradients many times slower
         # inside a compiled loop (a small ResNet's refresh: 52 s looped,
-        # 2 s unrolled after a 46 s compile); other backends and devices
-        # keep the loop, which compiles once.
-        has_conv = any(len(shape) > 2 for _, shape, _ in self.layout)
-        return has_conv and backend.slow_convolutions_in_loops
+        # 2 s unrolled after a 46 s compile); other backends and devices,
+        # and networks without convolutions (a Transformer: unrolled, its
+        # first step compiled for minutes), keep the loop, which compiles once.
+        unroll = backend.slow_convolutions_in_loops and has_trainable_convolutions(model)
+        if unroll and not self.__dict__.get("_told_unroll"):
+            self._told_unroll = True
+            warnings.warn(
+                f"LLQR: the {self.refresh_steps} inner steps of U's refresh are unrolled in the compiled "
+                "step, because XLA:CPU runs convolution kernel gradients about 10x slower inside a loop. "
+                "The first step takes longer to compile; every refresh after it runs faster.",
+                stacklevel=2,
+            )
+        return unroll
 
     def prepare_step(self, due, model, values, non_trainable, x, y):
         """In-step refresh if `due` (a boolean tensor; ``refresh_source="step"``),

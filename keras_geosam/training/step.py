@@ -79,11 +79,14 @@ def _forward(model, tv, ntv, mv, x, y, sw, scale):
 
 def two_pass(model, optimizer, tv, ntv, mv, x, y, sw, scale=None):
     """Both passes on one batch. Pure: returns a dict of values."""
+    # An optimizer that takes sparse gradients (an Embedding's, on
+    # TensorFlow) gets them as they are; the others get them dense.
+    sparse = optimizer.sparse_gradients
     ((_, (loss_c, y_pred, ntv_c, mv_c)), g_c) = backend.value_and_grad(
-        lambda p, *a: _forward(model, p, *a), list(tv), ntv, mv, x, y, sw, scale, has_aux=True
+        lambda p, *a: _forward(model, p, *a), list(tv), ntv, mv, x, y, sw, scale, has_aux=True, sparse=sparse
     )
     if scale is not None:
-        g_c = [g / ops.cast(scale, g.dtype) for g in g_c]
+        g_c = _unscale(g_c, scale)
     # Under tf.distribute, Keras scales each replica's loss by 1/replicas:
     # the sum over replicas is the global mean gradient, and replicas times
     # the local one is the replica's own mean gradient.
@@ -92,7 +95,7 @@ def two_pass(model, optimizer, tv, ntv, mv, x, y, sw, scale=None):
         if optimizer.perturbation_mode == "global":
             g_c = backend.all_reduce_sum(g_c)
         else:
-            g_c = [g * float(replicas) for g in g_c]
+            g_c = [backend.scale(g, float(replicas)) for g in g_c]
     if optimizer.num_passes == 1:
         return _finalise({
             "loss_c": loss_c, "loss_p": loss_c, "g_c": g_c, "g_p": g_c,
@@ -104,16 +107,22 @@ def two_pass(model, optimizer, tv, ntv, mv, x, y, sw, scale=None):
     fresh = optimizer.dropout == "fresh"
     ntv_in = [c if (fresh and not _is_float(v)) else v for v, c in zip(ntv, ntv_c)]
     ((_, (loss_p, _, ntv_p, _)), g_p) = backend.value_and_grad(
-        lambda p, *a: _forward(model, p, *a), tv_p, ntv_in, mv, x, y, sw, scale, has_aux=True
+        lambda p, *a: _forward(model, p, *a), tv_p, ntv_in, mv, x, y, sw, scale, has_aux=True, sparse=sparse
     )
     if scale is not None:
-        g_p = [g / ops.cast(scale, g.dtype) for g in g_p]
+        g_p = _unscale(g_p, scale)
     keep = ntv_c if optimizer.bn_stats == "centre" else ntv_p
     new_ntv = [k if _is_float(v) else p for v, k, p in zip(ntv, keep, ntv_p)]
     return _finalise({
         "loss_c": loss_c, "loss_p": loss_p, "g_c": g_c, "g_p": g_p,
         "y_pred": y_pred, "ntv": new_ntv, "mv": mv_c,
     })
+
+
+def _unscale(grads, scale):
+    """Gradients of the loss-scaled loss, unscaled (the scale is a power
+    of two, so multiplying by its inverse is exact)."""
+    return [backend.scale(g, 1.0 / ops.cast(scale, g.dtype)) for g in grads]
 
 
 def _is_float(value):

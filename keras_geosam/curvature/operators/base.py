@@ -14,6 +14,12 @@ import numpy as np
 from keras import ops
 
 
+def static_shape(x):
+    """`x`'s shape as Python ints, None where only known when run (inside a
+    traced TensorFlow function): a check never asks a tensor for a bool."""
+    return tuple(None if d is None else int(d) for d in x.shape)
+
+
 class LinearOperator:
     """A linear map on lists of tensors shaped like `shapes`.
 
@@ -139,11 +145,11 @@ class LinearOperator:
             )
         lead = None
         for v, shape in zip(vectors, self.shapes):
-            got = tuple(ops.shape(v))
+            got = static_shape(v)
             body = got[1:] if batched else got
-            if body != shape:
+            if len(body) != len(shape) or any(g is not None and g != s for g, s in zip(body, shape)):
                 raise ValueError(f"{type(self).__name__}: tensor of shape {got} where {'(k,) + ' if batched else ''}{shape} is expected.")
-            if batched:
+            if batched and got[0] is not None:
                 if lead is not None and got[0] != lead:
                     raise ValueError("All tensors of a block of vectors need the same leading axis.")
                 lead = got[0]
