@@ -983,10 +983,16 @@ def test_validation():
     x, y = case.x, case.y
     mse = keras.Sequential([keras.Input((4,)), keras.layers.Dense(K)])
     mse.compile(loss="mse")
+    # The exact Gauss-Newton matrix of a squared error is defined (its
+    # reference test is test_kfac_weight_sharing.py); a sampled Fisher is not.
     with pytest.raises(ValueError, match="classifier"):
-        cv.GGN(mse, x)
+        cv.GGN(mse, x, kind="mc")
     with pytest.raises(ValueError, match="classifier"):
         cv.GGNResidual(mse, x, np.zeros((N, K)))
+    hinge = keras.Sequential([keras.Input((4,)), keras.layers.Dense(K)])
+    hinge.compile(loss="hinge")
+    with pytest.raises(ValueError, match="squared error"):
+        cv.GGN(hinge, x)
     with pytest.raises(ValueError, match="length"):
         cv.Hessian(case.model, x, y[:-1])
     with pytest.raises(ValueError, match="length"):

@@ -27,6 +27,8 @@ from keras_geosam.curvature.operators import GGN
 from keras_geosam.curvature.operators import BlockDiagonal
 from keras_geosam.curvature.operators import Dense
 from keras_geosam.curvature.operators import Diagonal
+from keras_geosam.curvature.operators import DiagonalInputEKFAC
+from keras_geosam.curvature.operators import DiagonalInputKFAC
 from keras_geosam.curvature.operators import Fisher
 from keras_geosam.curvature.operators import GGNResidual
 from keras_geosam.curvature.operators import Hessian
@@ -478,6 +480,8 @@ __all__ = [
     "BlockDiagonal",
     "Dense",
     "Diagonal",
+    "DiagonalInputEKFAC",
+    "DiagonalInputKFAC",
     "EKFAC",
     "Fisher",
     "GGN",

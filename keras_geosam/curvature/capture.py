@@ -34,11 +34,9 @@ import numpy as np
 from keras import ops
 
 from keras_geosam import backend
+from keras_geosam.curvature.layers import KFAC_APPROXIMATIONS
+from keras_geosam.curvature.layers import MAX_ELEMENTS
 from keras_geosam.curvature.layers import rules_for
-
-# Largest intermediate (in elements) a chunk may create: 4 MB in float32,
-# about one batch of activations of a mid-sized MLP (bounds peak memory).
-MAX_ELEMENTS = 1 << 20
 
 
 class Capture:
@@ -116,7 +114,7 @@ class Capture:
         return self._call_shapes[key]
 
     # --------------------------------------------------------- kernels ----
-    def statistics(self, params, nt, x, y, key, offset, kind, num_samples, kernel_diag=None, other_diag=True, factors=False, bases=None):
+    def statistics(self, params, nt, x, y, key, offset, kind, num_samples, kernel_diag=None, other_diag=True, factors=False, bases=None, approximation="expand"):
         """Sums over one batch, on the device.
 
         Args:
@@ -128,7 +126,10 @@ class Capture:
                 uncovered variables).
             factors: K-FAC factor sums ``A`` (with row counts) and ``B``.
             bases: ``{kfac rule index: (QA, QB, W)}``: the kernel's
-                ``sum_jn g^T W g`` with ``W`` diagonal in the basis QA kron QB.
+                ``sum_jn g^T W g`` with ``W`` diagonal in the basis QA kron QB
+                (``QA`` None: the identity, for a diagonal input factor).
+            approximation: K-FAC for layers shared over positions,
+                ``"expand"`` or ``"reduce"`` (``layers.py``).
 
         Returns:
             ``{"diag": {variable index: tensor}, "quad": {variable index:
@@ -138,12 +139,15 @@ class Capture:
             kernel_diag = range(len(self.kfac_rules))
         bases = dict(bases or {})
         quad = tuple(sorted(bases))
+        if approximation not in KFAC_APPROXIMATIONS:
+            raise ValueError(f"The K-FAC approximation must be one of {KFAC_APPROXIMATIONS}, got {approximation!r}.")
         static = dict(kind=kind, num_samples=int(num_samples))
         out = {"diag": {}, "A": [], "B": [], "rows": [], "quad": {}}
         if self.rules:
             kernel = self._kernel(
                 "body_statistics", kernel_diag=tuple(sorted(kernel_diag)), other_diag=bool(other_diag),
-                factors=bool(factors), quad=quad, shapes=_freeze(self.call_shapes(x)), **static,
+                factors=bool(factors), quad=quad, shapes=_freeze(self.call_shapes(x)),
+                approximation=approximation if factors else "expand", **static,
             )
             out = kernel(params, nt, x, y, key, offset, [bases[q] for q in quad])
         if other_diag and self.uncovered:
@@ -178,7 +182,7 @@ class Capture:
             # In the weights' dtype: under a mixed policy layers see float16 /
             # bfloat16 inputs, but curvature statistics are sums of squares
             # that need float32 (and torch's einsum does not promote).
-            rows = [ops.cast(rule.rows(r), rule.kernel.dtype) for r in calls]
+            rows = [rule.cast_rows(rule.rows(r), rule.kernel.dtype) for r in calls]
             out.append(rows[0] if len(rows) == 1 else ops.concatenate(rows, axis=1))
         return out
 
@@ -187,7 +191,7 @@ class Capture:
         d = [ops.cast(rule.delta_rows(deltas[slot[(i, c)]]), rule.kernel.dtype) for c in range(calls)]
         return d[0] if calls == 1 else ops.concatenate(d, axis=2)
 
-    def body_statistics(self, params, nt, x, y, key, offset, bases, *, kind, num_samples, kernel_diag, other_diag, factors, quad, shapes):
+    def body_statistics(self, params, nt, x, y, key, offset, bases, *, kind, num_samples, kernel_diag, other_diag, factors, quad, shapes, approximation):
         z, records, pull, slot = self._pullback(params, nt, x, shapes, "logits")
         cot = self.fns.output_factors(kind, z, y, key, offset, num_samples)
         k = int(cot.shape[0])
@@ -197,14 +201,15 @@ class Capture:
         kfac_index = {i: j for j, i in enumerate(i for i, r in enumerate(self.rules) if r.kernel is not None)}
         out = {"diag": {}, "A": [], "B": [], "rows": [], "quad": {}}
         if factors:
-            for a in rows:
+            for rule, a in zip(self.rules, rows):
                 if a is not None:
-                    out["A"].append(ops.einsum("ntm,ntl->ml", a, a))
-                    out["rows"].append(ops.convert_to_tensor(int(a.shape[0]) * int(a.shape[1]), dtype=a.dtype))
+                    A, count = rule.input_factor(a, approximation)
+                    out["A"].append(A)
+                    out["rows"].append(ops.convert_to_tensor(count, dtype=rule.kernel.dtype))
         rotated = {}
         for q, (QA, QB, W) in zip(quad, bases):
             i = [i for i, j in kfac_index.items() if j == q][0]
-            rotated[i] = (ops.einsum("ntm,ml->ntl", rows[i], ops.cast(QA, rows[i].dtype)), QB, W)
+            rotated[i] = (self.rules[i].rotate(rows[i], QA), QB, W)
         B = [None] * len(self.rules)
         # One position per example (T = 1): g_jn^2 = a_n^2 (delta_jn^2)^T, so
         # sum_j delta_jn^2 (N x n) is accumulated over the column chunks and
@@ -231,9 +236,11 @@ class Capture:
                     if single:
                         _add(dsq, i, ops.sum(ops.square(d[:, :, 0]), axis=0))
                     else:
-                        _add(out["diag"], kpos, ops.reshape(_squared_gradients(rows[i], d), rule.kernel.shape))
+                        _add(out["diag"], kpos, ops.reshape(rule.squared_gradients(rows[i], d), rule.kernel.shape))
                 if factors:
-                    b = ops.einsum("kntj,kntl->jl", d, d)
+                    # "reduce": each example's output gradients summed over positions
+                    dr = ops.sum(d, axis=2, keepdims=True) if approximation == "reduce" else d
+                    b = ops.einsum("kntj,kntl->jl", dr, dr)
                     B[i] = b if B[i] is None else B[i] + b
                 if i in rotated:
                     ar, QB, W = rotated[i]
@@ -241,15 +248,14 @@ class Capture:
                     if single:
                         _add(dsq_rot, i, ops.sum(ops.square(dr[:, :, 0]), axis=0))
                     else:
-                        _add(out["quad"], kpos, ops.sum(ops.cast(W, d.dtype) * _squared_gradients(ar, dr)))
+                        _add(out["quad"], kpos, rule.weighted_squares(ar, dr, W))
         for i, s in dsq.items():
             rule = self.rules[i]
-            _add(out["diag"], self.position[id(rule.kernel)], ops.reshape(ops.einsum("nm,nj->mj", ops.square(rows[i][:, 0]), s), rule.kernel.shape))
+            _add(out["diag"], self.position[id(rule.kernel)], ops.reshape(rule.square_single(rows[i], s), rule.kernel.shape))
         for i, s in dsq_rot.items():
             ar, _, W = rotated[i]
             kpos = self.position[id(self.rules[i].kernel)]
-            # sum_mj W_mj sum_n ar_nm^2 s_nj, without forming the m x n product
-            _add(out["quad"], kpos, ops.sum(ops.einsum("nm,mj->nj", ops.square(ar[:, 0]), ops.cast(W, s.dtype)) * s))
+            _add(out["quad"], kpos, self.rules[i].weighted_single(ar, s, W))
         if factors:
             out["B"] = [b for b, a in zip(B, rows) if a is not None]
         return out
@@ -301,25 +307,9 @@ class Capture:
                     _add(out, self.position[vid], g[0])
             if rows[i] is not None:
                 d = self._deltas(rule, i, records, deltas, slot)[0]
-                g = ops.einsum("ntm,ntj->nmj", rows[i], d)
+                g = rule.per_example(rows[i], d)
                 out[self.position[id(rule.kernel)]] = ops.reshape(g, (ops.shape(g)[0],) + tuple(rule.kernel.shape))
         return out
-
-
-def _squared_gradients(a, d):
-    """``sum_jn (sum_t a_nt d_jnt^T)^2`` (element-wise square), shape (m, n):
-    one matrix product for T = 1, example chunks otherwise."""
-    if int(a.shape[1]) == 1:
-        return ops.einsum("nm,nj->mj", ops.square(a[:, 0]), ops.sum(ops.square(d[:, :, 0]), axis=0))
-    k, n = int(d.shape[0]), int(a.shape[0])
-    m, j = int(a.shape[-1]), int(d.shape[-1])
-    step = max(1, MAX_ELEMENTS // max(k * m * j, 1))
-    total = None
-    for start in range(0, n, step):
-        g = ops.einsum("ntm,kntj->knmj", a[start : start + step], d[:, start : start + step])
-        part = ops.sum(ops.square(g), axis=(0, 1))
-        total = part if total is None else total + part
-    return total
 
 
 def _add(store, key, value):

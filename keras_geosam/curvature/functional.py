@@ -17,6 +17,7 @@ from keras import ops
 from keras_geosam import backend
 from keras_geosam.curvature import probes as _probes
 from keras_geosam.curvature.losses import require_classifier
+from keras_geosam.curvature.losses import require_gauss_newton
 from keras_geosam.curvature.losses import resolve_loss
 
 _CACHE = weakref.WeakKeyDictionary()
@@ -128,8 +129,9 @@ class ModelFunctions:
         return -mean(picked)
 
     def logits(self, params, nt, x):
-        """Logits of the predictive distribution (see ``LossSpec.logits``)."""
-        require_classifier(self.spec, "This quantity")
+        """Logits of the predictive distribution, or a squared error's
+        outputs (see ``LossSpec.logits``)."""
+        require_gauss_newton(self.spec, "This quantity")
         return self.spec.logits(self.outputs(params, nt, x)[0])
 
     def output_gradient(self, z, y):
@@ -144,39 +146,74 @@ class ModelFunctions:
         return ops.stop_gradient(r)
 
     def output_factors(self, kind, z, y=None, key=None, offset=None, num_samples=1):
-        """Square-root factors of the output-space curvature: ``(k, N, C)``
-        tensors ``c`` with ``sum_j c_jn c_jn^T`` equal to
+        """Square-root factors of the output-space curvature: ``(k, N, ...,
+        C)`` tensors ``c`` shaped like `z` with a leading axis k, ``sum_j
+        c_jn c_jn^T`` equal to each example's Hessian of its loss in the
+        outputs (kind ``"exact"``) or an estimate of it:
 
         - ``"exact"``: ``diag p_n - p_n p_n^T`` (the GGN = exact Fisher of
-          softmax cross-entropy); ``c_jn = sqrt(p_nj) (e_j - p_n)``, k = C;
+          softmax cross-entropy), ``c_jn = sqrt(p_nj) (e_j - p_n)``, k = C;
+          for the mean squared error ``2/C I``, ``c_j = sqrt(2/C) e_j``;
         - ``"mc"``: ``1/S sum_s (e_s - p_n)(e_s - p_n)^T`` for S labels drawn
           from ``p_n`` on the device (hash of `key`, example ``offset + n``
           and draw s, so every backend draws the same labels);
         - ``"empirical"``: ``r_n r_n^T``, r the data loss's gradient.
 
+        Outputs with positions (``(N, T, C)`` logits of a sequence model):
+        an example is a sequence, its loss the mean of its T per-position
+        losses (as Keras averages them), so the Hessian is block-diagonal
+        over positions, each block divided by T. ``"exact"`` then has k =
+        T*C columns, each non-zero at one position; ``"mc"`` draws a label at
+        every position (cross-position terms vanish in expectation).
+
         The per-example gradient of direction ``c_jn`` is ``J_n^T c_jn``.
         """
         z = ops.stop_gradient(z)
+        shape = tuple(int(d) for d in z.shape)
+        n, num_classes = shape[0], shape[-1]
+        positions = int(np.prod(shape[1:-1], dtype=np.int64))
         if kind == "empirical":
             if y is None:
                 raise ValueError('Fisher kind "empirical" needs the data labels `y`.')
-            return self.output_gradient(z, y)[None]
+            r = self.output_gradient(z, y)
+            return (r if positions == 1 else r / float(positions))[None]
+        if kind == "exact" and self.spec.squared_error:
+            # Keras' mean_squared_error averages the last axis: Hessian 2/C I.
+            eye = ops.eye(num_classes, dtype=z.dtype) * float((2.0 / num_classes) ** 0.5)
+            base = ops.broadcast_to(eye[:, None, :], (num_classes, n * positions, num_classes))
+            return self._per_position(ops.reshape(base, (num_classes, n, positions, num_classes)), shape)
         p = ops.exp(ops.log_softmax(z, axis=-1))
-        num_classes = int(z.shape[-1])
         eye = ops.eye(num_classes, dtype=z.dtype)
         if kind == "exact":
-            return ops.sqrt(ops.transpose(p))[:, :, None] * (eye[:, None, :] - p[None])
-        n = int(z.shape[0])
+            flat = ops.reshape(p, (n * positions, num_classes))
+            base = ops.sqrt(ops.transpose(flat))[:, :, None] * (eye[:, None, :] - flat[None])
+            if positions == 1:
+                return ops.reshape(base, (num_classes,) + shape)
+            return self._per_position(ops.reshape(base, (num_classes, n, positions, num_classes)), shape)
         rows = ops.add(ops.arange(0, n, dtype="int32"), ops.cast(offset, "int32"))
+        if positions > 1:  # a draw per position: row (example, position)
+            rows = ops.reshape(rows[:, None] * positions + ops.arange(0, positions, dtype="int32")[None], (-1,))
         # The draw and the comparison in float32 at least: 24-bit uniforms
         # overflow float16, and every backend must see the same numbers.
         udtype = "float64" if keras.backend.standardize_dtype(z.dtype) == "float64" else "float32"
         u = _probes.uniform_from_key(key, rows, ops.arange(0, int(num_samples), dtype="int32"), udtype)
-        cdf = ops.cumsum(ops.cast(p, udtype), axis=-1)
+        cdf = ops.cumsum(ops.cast(ops.reshape(p, (n * positions, num_classes)), udtype), axis=-1)
         labels = ops.sum(ops.cast(ops.greater(u[:, :, None], cdf[:, None, :]), "int32"), axis=-1)
         labels = ops.minimum(labels, num_classes - 1)
-        onehot = ops.one_hot(ops.transpose(labels), num_classes, dtype=z.dtype)
-        return (onehot - p[None]) / ops.convert_to_tensor(float(num_samples) ** 0.5, dtype=z.dtype)
+        onehot = ops.reshape(ops.one_hot(ops.transpose(labels), num_classes, dtype=z.dtype), (int(num_samples),) + shape)
+        return (onehot - p[None]) / ops.convert_to_tensor(float(num_samples * positions) ** 0.5, dtype=z.dtype)
+
+    @staticmethod
+    def _per_position(base, shape):
+        """``(C, N, T, C)`` per-position factors (each position's Hessian
+        square root) as ``(T*C, N, ...)`` columns, column ``(t, j)`` non-zero
+        at position t only, scaled by ``1/sqrt(T)`` (the mean over positions)."""
+        c, n, positions, _ = (int(d) for d in base.shape)
+        if positions == 1:
+            return ops.reshape(base, (c,) + shape)
+        spread = ops.einsum("ts,jntc->tjnsc", ops.eye(positions, dtype=base.dtype), base)
+        spread = spread / ops.convert_to_tensor(float(positions) ** 0.5, dtype=base.dtype)
+        return ops.reshape(spread, (positions * c,) + shape)
 
     def ggn_surrogate_of(self, params, nt, x, y, key, offset, kind="exact", num_samples=1):
         """Batch-mean surrogate whose Hessian is the GGN of `kind`:

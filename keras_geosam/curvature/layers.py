@@ -16,20 +16,44 @@ Rules:
   and ``valid``/``same``/``causal`` padding, channels first or last.
 - ``EinsumDense`` whose kernel axes are input axes followed by output axes
   (``"ab,bc->ac"``, ``"abc,cde->abde"``, ...).
-- ``BatchNormalization`` in inference mode: ``gamma`` and ``beta`` from the
-  normalised input (no K-FAC block).
+- ``Embedding``: the input rows are one-hot token vectors, kept as the
+  token ids (never a ``vocabulary``-wide row): the gradient of one example is
+  ``sum_t e_{id_t} delta_t^T``, so sums over tokens are scatter-adds by id,
+  and the K-FAC input factor is diagonal (token counts).
+- ``BatchNormalization`` in inference mode and ``LayerNormalization``:
+  ``gamma`` and ``beta`` from the normalised input (no K-FAC block).
+
+Each rule also does the reductions that depend on its rows (squared
+per-example gradients, K-FAC's input factor, exact quadratic forms), so the
+capture (``capture.py``) is the same for every layer type.
+
+K-FAC and weight sharing (Eschenhagen et al., NeurIPS 2023): a layer applied
+at every position t of a sequence (or image) has per-example gradient
+``sum_t a_t delta_t^T``. ``"expand"`` treats positions as examples: ``A =
+mean_{n,t} a a^T``, ``B = 1/N sum_{n,t} delta delta^T`` (exact for deep
+linear networks whose loss has a term per position); ``"reduce"`` sums
+positions first: ``A = mean_n abar abar^T`` with ``abar`` the mean input
+row over t, ``B = 1/N sum_n (sum_t delta)(sum_t delta)^T`` (exact for deep
+linear networks that pool the positions before the loss).
 
 The trainable variables of any other layer are "uncovered": their
 per-example gradients come from the backend's vectorised map instead.
 """
 
+KFAC_APPROXIMATIONS = ("expand", "reduce")
+
 import string
+import warnings
 
 import keras
 import numpy as np
 from keras import ops
 
 _CONV = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
+
+# Largest intermediate (in elements) a chunk may create: 4 MB in float32,
+# about one batch of activations of a mid-sized MLP (bounds peak memory).
+MAX_ELEMENTS = 1 << 20
 _CONV_CALLS = {c.call for c in _CONV}
 
 
@@ -76,6 +100,48 @@ class Rule:
             return {}
         d = self.delta_rows(delta)
         return {id(bias): ops.reshape(ops.sum(d, axis=2), ops.shape(d)[:2] + tuple(bias.shape))}
+
+
+    # ------------------------------------------- reductions over rows ----
+    # Input rows are ``(N, T, m)`` tensors here; ``EmbeddingRule`` keeps ids.
+    diagonal_input = False
+
+    def cast_rows(self, rows, dtype):
+        return ops.cast(rows, dtype)
+
+    def input_factor(self, a, approximation):
+        """``(sum of a a^T, count)``: over examples and positions
+        (``"expand"``), or of each example's mean row (``"reduce"``)."""
+        if approximation == "reduce":
+            abar = ops.sum(a, axis=1) / ops.cast(ops.shape(a)[1], a.dtype)
+            return ops.einsum("nm,nl->ml", abar, abar), int(a.shape[0])
+        return ops.einsum("ntm,ntl->ml", a, a), int(a.shape[0]) * int(a.shape[1])
+
+    def squared_gradients(self, a, d):
+        """``sum_jn (sum_t a_nt d_jnt^T)^2``, shape (m, n)."""
+        return _squared_gradients(a, d)
+
+    def square_single(self, a, s):
+        """The same for one position, ``s = sum_j d_jn^2`` (N, n) summed
+        over the column chunks first: ``a^2`` meets it once."""
+        return ops.einsum("nm,nj->mj", ops.square(a[:, 0]), s)
+
+    def rotate(self, a, QA):
+        """Rows in the basis ``QA`` of the input factor."""
+        return ops.einsum("ntm,ml->ntl", a, ops.cast(QA, a.dtype))
+
+    def weighted_squares(self, a, d, W):
+        """``sum_jn sum_mj W_mj g_jn[m, j]^2`` for rotated rows and deltas."""
+        return ops.sum(ops.cast(W, d.dtype) * _squared_gradients(a, d))
+
+    def weighted_single(self, a, s, W):
+        # sum_mj W_mj sum_n a_nm^2 s_nj, without forming the m x n product
+        return ops.sum(ops.einsum("nm,mj->nj", ops.square(a[:, 0]), ops.cast(W, s.dtype)) * s)
+
+    def per_example(self, a, d):
+        """Per-example kernel gradients ``(N, m, n)`` from rows and one
+        column of deltas ``(N, T, n)``."""
+        return ops.einsum("ntm,ntj->nmj", a, d)
 
 
 class DenseRule(Rule):
@@ -242,6 +308,124 @@ class BatchNormRule(Rule):
         return out
 
 
+class EmbeddingRule(Rule):
+    """``Embedding``: rows are token ids (a one-hot row each, never formed).
+
+    Repeated tokens within one example add up in its gradient, so squares
+    are taken after summing them: ``s_t = sum_t' [id_t = id_t'] delta_t'``
+    (a same-token mask per example, ``T x T``), then scatter-added by id.
+    """
+
+    splits_activation = False
+    diagonal_input = True
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        self.kernel = layer.embeddings if layer.embeddings.trainable else None
+        self.split = 1
+        self.vocabulary = int(layer.input_dim)
+
+    def _all_variables(self):
+        return [self.layer.embeddings]
+
+    def record(self, inputs):
+        return ops.cast(inputs, "int32")
+
+    def rows(self, rec):
+        return ops.reshape(rec, (ops.shape(rec)[0], -1))
+
+    def cast_rows(self, rows, dtype):
+        return rows  # ids stay integers
+
+    def delta_rows(self, delta):
+        s = ops.shape(delta)
+        return ops.reshape(delta, (s[0], s[1], -1, s[-1]))
+
+    def small_grads(self, rec, delta):
+        return {}
+
+    def _scatter(self, values, ids):
+        """``sum over rows with id v`` of `values` ``(N, T, n)``: (vocab, n)."""
+        n = int(values.shape[-1])
+        return ops.segment_sum(ops.reshape(values, (-1, n)), ops.reshape(ids, (-1,)), num_segments=self.vocabulary)
+
+    @staticmethod
+    def _same(ids, dtype):
+        return ops.cast(ops.equal(ids[:, :, None], ids[:, None, :]), dtype)
+
+    def input_factor(self, ids, approximation):
+        n, t = int(ids.shape[0]), int(ids.shape[1])
+        if approximation == "reduce":
+            # diag of mean_n abar abar^T: sum_n (c_nv / T)^2, with c_nv the
+            # count of token v in example n (= the mask's row sums there).
+            counts = ops.sum(self._same(ids, self.kernel.dtype), axis=-1)
+            return self._scatter((counts / float(t * t))[:, :, None], ids)[:, 0], n
+        ones = ops.ones((n, t, 1), dtype=self.kernel.dtype)
+        return self._scatter(ones, ids)[:, 0], n * t
+
+    def _summed(self, ids, d):
+        """``s_jnt = sum_t' [id_nt = id_nt'] d_jnt'``: each example's
+        gradient row of token id_nt."""
+        return ops.einsum("ntu,knuj->kntj", self._same(ids, d.dtype), d)
+
+    def squared_gradients(self, ids, d):
+        return self._scatter(ops.sum(d * self._summed(ids, d), axis=0), ids)
+
+    def square_single(self, ids, s):
+        return self._scatter(s[:, None, :], ids[:, :1])
+
+    def rotate(self, ids, QA):
+        if QA is not None:
+            raise ValueError("An Embedding's K-FAC input factor is diagonal: its basis is the identity (QA=None).")
+        return ids
+
+    def weighted_squares(self, ids, d, W):
+        W = ops.take(ops.cast(W, d.dtype), ops.reshape(ids, (-1,)), axis=0)
+        contrib = ops.sum(d * self._summed(ids, d), axis=0)
+        return ops.sum(ops.reshape(contrib, ops.shape(W)) * W)
+
+    def weighted_single(self, ids, s, W):
+        return ops.sum(s * ops.take(ops.cast(W, s.dtype), ids[:, 0], axis=0))
+
+    def per_example(self, ids, d):
+        n, t, j = int(d.shape[0]), int(d.shape[1]), int(d.shape[-1])
+        keys = ops.reshape(ops.arange(n, dtype="int32")[:, None] * self.vocabulary + ids, (-1,))
+        g = ops.segment_sum(ops.reshape(d, (n * t, j)), keys, num_segments=n * self.vocabulary)
+        return ops.reshape(g, (n, self.vocabulary, j))
+
+
+class LayerNormRule(Rule):
+    """``LayerNormalization``: ``gamma * x_hat + beta`` with ``x_hat`` the
+    normalised input (recomputed by Keras' own op without the affine part,
+    so ``rms_scaling`` and the epsilon are honoured)."""
+
+    splits_activation = False
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        self.kernel, self.split = None, None
+
+    def _all_variables(self):
+        return [getattr(self.layer, "gamma", None), getattr(self.layer, "beta", None)]
+
+    def record(self, inputs):
+        layer = self.layer
+        return ops.layer_normalization(inputs, None, None, layer.axis, layer.epsilon, rms_scaling=layer.rms_scaling)
+
+    def small_grads(self, rec, delta):
+        axes = [a % len(rec.shape) for a in self.layer.axis]
+        # delta has a leading k axis: example axes 1.. of rec are 2.. here
+        reduce = [i for i in range(2, len(delta.shape)) if i - 1 not in axes]
+        d = ops.cast(delta, rec.dtype)
+        out = {}
+        gamma, beta = getattr(self.layer, "gamma", None), getattr(self.layer, "beta", None)
+        if gamma is not None and gamma.trainable:
+            out[id(gamma)] = ops.sum(d * rec[None], axis=reduce)
+        if beta is not None and beta.trainable:
+            out[id(beta)] = ops.sum(d, axis=reduce)
+        return out
+
+
 def rule_for(layer, training=False):
     """The rule covering `layer`, or None."""
     if not layer.trainable or not layer.trainable_variables:
@@ -259,9 +443,65 @@ def rule_for(layer, training=False):
         if rank is not None and EinsumDenseRule.roles(layer, rank) is not None:
             return EinsumDenseRule(layer)
         return None
+    if isinstance(layer, keras.layers.Embedding) and type(layer).call is keras.layers.Embedding.call:
+        return EmbeddingRule(layer)
+    if isinstance(layer, keras.layers.LayerNormalization) and type(layer).call is keras.layers.LayerNormalization.call:
+        return LayerNormRule(layer)
     if isinstance(layer, keras.layers.BatchNormalization) and not training and not getattr(layer, "renorm", False):
         return BatchNormRule(layer)
     return None
+
+
+def kernel_views(model):
+    """The K-FAC view of every covered kernel of `model`: ``{id(variable):
+    (split, diagonal_input)}``, ``split`` the number of the kernel's leading
+    axes that make the rows (the axes contracted with the layer's input),
+    ``diagonal_input`` True where the input factor is diagonal (Embedding);
+    the other variables of covered layers (biases, scales) map to None.
+    LLQR's U and the K-FAC metric both read their blocks from here."""
+    views = {}
+    for rule in rules_for(model):
+        for v in rule.variables:  # biases, scales: diagonal blocks by design
+            views.setdefault(id(v), None)
+        if rule.kernel is not None:
+            views[id(rule.kernel)] = (rule.split, rule.diagonal_input)
+    return views
+
+
+_WARNED = set()
+
+
+def warn_diagonal_fallback(entries, what):
+    """One warning per variable path (per process) for each ``(path,
+    shape)`` of two or more axes that gets a diagonal block in `what` for
+    want of a K-FAC rule for its layer (1-D tensors are diagonal blocks by
+    design)."""
+    new = [(p, tuple(shape)) for p, shape in entries if len(shape) >= 2 and (what, p) not in _WARNED]
+    if not new:
+        return
+    _WARNED.update((what, p) for p, _ in new)
+    names = ", ".join(f"{p} {shape}" for p, shape in new)
+    warnings.warn(
+        f"{what}: no K-FAC rule covers {names} (a layer type or call the rules in "
+        "keras_geosam/curvature/layers.py do not know); each gets a diagonal block.",
+        stacklevel=3,
+    )
+
+
+def _squared_gradients(a, d):
+    """``sum_jn (sum_t a_nt d_jnt^T)^2`` (element-wise square), shape (m, n):
+    one matrix product for T = 1, example chunks otherwise."""
+    if int(a.shape[1]) == 1:
+        return ops.einsum("nm,nj->mj", ops.square(a[:, 0]), ops.sum(ops.square(d[:, :, 0]), axis=0))
+    k, n = int(d.shape[0]), int(a.shape[0])
+    m, j = int(a.shape[-1]), int(d.shape[-1])
+    step = max(1, MAX_ELEMENTS // max(k * m * j, 1))
+    total = None
+    for start in range(0, n, step):
+        g = ops.einsum("ntm,kntj->knmj", a[start : start + step], d[:, start : start + step])
+        part = ops.sum(ops.square(g), axis=(0, 1))
+        total = part if total is None else total + part
+    return total
 
 
 def leaf_layers(model):

@@ -2,7 +2,9 @@
 
 Fisher quantities need a probabilistic classifier: a categorical
 cross-entropy on logits (``from_logits=True``) or on softmax probabilities.
-Anything else gets a ``ValueError`` naming the loss, never a number.
+Anything else gets a ``ValueError`` naming the loss, never a number. The
+exact Gauss-Newton matrix (``GGN(kind="exact")``) is also defined for the
+mean squared error, whose Hessian in the outputs is constant.
 """
 
 import dataclasses
@@ -44,19 +46,22 @@ class LossSpec:
     classifier: bool = False
     from_logits: bool = False
     sparse: bool = False
+    squared_error: bool = False
 
     def logits(self, y_pred):
-        """Logits z with softmax(z) the predictive distribution: the outputs
-        themselves, or the log of softmax outputs (clipped as Keras' own
-        cross-entropy does, so log stays finite when a class saturates)."""
-        if self.from_logits:
+        """The outputs the Gauss-Newton matrix linearises: logits z with
+        softmax(z) the predictive distribution (the outputs themselves, or
+        the log of softmax outputs, clipped as Keras' own cross-entropy does
+        so log stays finite when a class saturates); for the squared error,
+        the outputs."""
+        if self.from_logits or self.squared_error:
             return y_pred
         eps = keras.config.epsilon()
         return ops.log(ops.clip(y_pred, eps, 1.0))
 
     def outputs_from_logits(self, z):
         """Inverse of :meth:`logits` (up to the clip): what the loss takes."""
-        return z if self.from_logits else ops.exp(z)
+        return z if (self.from_logits or self.squared_error) else ops.exp(z)
 
     def log_probs(self, y_pred):
         """Log-probabilities of the model's predictive distribution."""
@@ -127,6 +132,7 @@ def resolve_loss(model, loss=None):
         classifier=classifier,
         from_logits=bool(kwargs.get("from_logits", False)),
         sparse=bool(sparse),
+        squared_error=fn_name == "mean_squared_error",
     )
 
 
@@ -137,4 +143,14 @@ def require_classifier(spec, what):
             f"categorical cross-entropy on logits or softmax outputs. The loss "
             f"here is {spec.name!r}, for which the Fisher information of the "
             f"model's predictive distribution is not defined by keras_geosam."
+        )
+
+
+def require_gauss_newton(spec, what):
+    """Raises unless the exact Gauss-Newton matrix of `spec`'s loss is known:
+    a categorical cross-entropy or the mean squared error."""
+    if not (spec.classifier or spec.squared_error):
+        raise ValueError(
+            f"{what} needs a loss whose Hessian in the model's outputs is known: a (sparse) "
+            f"categorical cross-entropy or the mean squared error. The loss here is {spec.name!r}."
         )

@@ -29,7 +29,8 @@ class PreconditionedOptimizer(TwoPassOptimizer):
     refreshes = property(lambda self: self.preconditioner.refreshes, doc="How many refreshes U has had (an integer optimizer variable).")
 
     def build_state(self, var_list):
-        self.preconditioner.build(self, var_list)
+        owner = getattr(self, "_geosam_owner", None)
+        self.preconditioner.build(self, var_list, owner() if owner is not None else None)
 
     def check_model(self, model, refresh_source=None):
         self.preconditioner.check_model(model, refresh_source)

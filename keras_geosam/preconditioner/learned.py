@@ -9,6 +9,7 @@ and the refresh. See ``objective.py`` for the refresh itself.
 import warnings
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_geosam import backend
@@ -16,6 +17,7 @@ from keras_geosam._checks import check_int as _check_int
 from keras_geosam._checks import check_number
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.layers import has_trainable_convolutions
+from keras_geosam.curvature.layers import kernel_views
 from keras_geosam.curvature.losses import require_classifier
 from keras_geosam.curvature.losses import resolve_loss
 from keras_geosam.preconditioner import objective
@@ -121,6 +123,7 @@ class LearnedPreconditioner:
             raise ValueError(f"decay_mask must be one of {DECAY_MASKS}, got {decay_mask!r}.")
         self.decay_mask = decay_mask
         self.variables = []
+        self.paths = None
         self.refreshes = None
 
     def get_config(self):
@@ -134,9 +137,13 @@ class LearnedPreconditioner:
         }
 
     # ------------------------------------------------------------ state ----
-    def build(self, optimizer, var_list):
-        """Creates U's variables (and the refresh counter) on `optimizer`."""
-        self.layout = structures.layout(var_list, self.structure)
+    def build(self, optimizer, var_list, model=None):
+        """Creates U's variables (and the refresh counter) on `optimizer`;
+        `model` (the one the optimizer trains) gives the kernels' K-FAC
+        views (``structures.layout``)."""
+        views = None if model is None or self.structure == "diagonal" else kernel_views(model)
+        self.layout = structures.layout(var_list, self.structure, views)
+        self.paths = [getattr(v, "path", None) or v.name for v in var_list]
         self.groups = structures.clip_groups(self.layout, var_list, self.structure)
         self.variables = []
         for i, name, shape, init, _ in structures.param_specs(self.layout):
@@ -153,7 +160,15 @@ class LearnedPreconditioner:
 
     def operator(self):
         """U now, as a :class:`~keras_geosam.curvature.BlockDiagonal`."""
-        return structures.operator(self.layout, [p.value for p in self.variables])
+        return structures.operator(self.layout, [p.value for p in self.variables], self.paths)
+
+    def summary(self, print_fn=print):
+        """Prints each variable U acts on, its block type (Diagonal, KFAC,
+        EKFAC, or their diagonal-input forms for an Embedding) and the 2-D
+        view the block acts on."""
+        if not self.variables:
+            raise RuntimeError("U has no layout yet: build the optimizer (compile and build the model) first.")
+        self.operator().summary(print_fn)
 
     def precondition(self, vectors):
         """U v for a list like the trainable variables (in v's dtypes)."""
@@ -185,12 +200,14 @@ class LearnedPreconditioner:
         if self.divergence == "ngd":
             require_classifier(fns.spec, 'LLQR with divergence="ngd"')
             # G = sum_n J_n^T (diag p_n - p_n p_n^T) J_n, the GGN summed over
-            # the batch, and gbar = J^T r / N with r_n = dl_n/dz_n.
+            # the batch, and gbar = J^T r / N with r_n = dl_n/dz_n. With
+            # outputs per position (a language model's (N, T, V) logits) the
+            # loss terms are tokens: G sums over them, gbar is their mean.
             z, jvp_fn, vjp_fn = backend.linearize(fns.logits, list(values), non_trainable, x)
             z = ops.stop_gradient(z)
             p = ops.exp(ops.log_softmax(z, axis=-1))
             r = fns.output_gradient(z, y)
-            n = ops.cast(ops.shape(z)[0], z.dtype)
+            n = ops.cast(int(np.prod([int(d) for d in z.shape[:-1]])), z.dtype)
             gbar = [ops.cast(g, v.dtype) for g, v in zip(vjp_fn(r / n), values)]
 
             def gprod(u):

@@ -1,16 +1,26 @@
 """The layout of LLQR's U: one block per trainable tensor, from the
 curvature operator classes.
 
-Each kernel with a 2-D view X of shape ``(m, n)`` (Dense ``(d_in, d_out)``,
-EinsumDense and Conv kernels ``(prod(shape[:-1]), shape[-1])``) gets the
-chosen structure; every other tensor (biases, normalisation scales, ...) a
-diagonal block:
+Each kernel with a 2-D view X of shape ``(m, n)``, input axes by output
+axes, gets the chosen structure: the views are the K-FAC metric's own
+(``kg.curvature.layers.kernel_views``): Dense ``(d_in, d_out)``, Conv
+``(kh*kw*c_in, c_out)``, EinsumDense the axes contracted with the input by
+the axes that form the output (a MultiHeadAttention query, key or value
+kernel ``(d_model, heads, head_dim)`` is ``d_model x heads*head_dim``, its
+output kernel ``heads*head_dim x d_model``), Embedding ``(vocabulary,
+d)`` with a diagonal input factor. Every other tensor (biases,
+normalisation scales, tensors of layers without a rule, which warn once)
+gets a diagonal block:
 
 | structure   | block class | parameters                        | U(X)                            | init           |
 |-------------|-------------|-----------------------------------|---------------------------------|----------------|
 | "diagonal"  | Diagonal    | d (tensor's shape)                | d * X                           | ones           |
 | "kfac"      | KFAC        | A (m x m), B (n x n)              | A X B^T                         | identity       |
 | "ekfac"     | EKFAC       | Q_A (m x m), Q_G (n x n), s (m, n)| Q_A (s * (Q_A^T X Q_G)) Q_G^T   | identity, ones |
+
+An Embedding's blocks keep the input factor diagonal (the vocabulary-wide
+factor is never formed): ``DiagonalInputKFAC`` (a (m,), B: ``diag(a) X
+B^T``) and ``DiagonalInputEKFAC`` (Q_G, s: ``(s * (X Q_G)) Q_G^T``).
 
 U is ``BlockDiagonal.from_params(layout, params)``: the same classes serve
 as Fisher metrics in ``keras_geosam.sharpness``, so the K-FAC product exists
@@ -21,9 +31,16 @@ from keras_geosam.curvature.operators import EKFAC
 from keras_geosam.curvature.operators import KFAC
 from keras_geosam.curvature.operators import BlockDiagonal
 from keras_geosam.curvature.operators import Diagonal
+from keras_geosam.curvature.operators import DiagonalInputEKFAC
+from keras_geosam.curvature.operators import DiagonalInputKFAC
+from keras_geosam.curvature.layers import warn_diagonal_fallback
 
 STRUCTURES = ("diagonal", "kfac", "ekfac")
-_CLASSES = {"kfac": KFAC, "ekfac": EKFAC}
+# (structure, diagonal input factor) -> block class
+_CLASSES = {
+    ("kfac", False): KFAC, ("kfac", True): DiagonalInputKFAC,
+    ("ekfac", False): EKFAC, ("ekfac", True): DiagonalInputEKFAC,
+}
 
 
 def is_matrix_kernel(variable):
@@ -32,15 +49,21 @@ def is_matrix_kernel(variable):
     return name.split("/")[-1] == "kernel" and len(variable.shape) >= 2
 
 
-def layout(variables, structure):
+def layout(variables, structure, views=None):
     """U's layout: ``[(block class, shape, split)]``, one entry per variable.
 
-    Matrix kernels get the `structure`'s block, every other tensor a
-    :class:`~keras_geosam.curvature.Diagonal` (module doc).
+    Kernels with a K-FAC view get the `structure`'s block, every other
+    tensor a :class:`~keras_geosam.curvature.Diagonal` (module doc).
 
     Args:
         variables: the trainable variables U acts on.
         structure: ``"diagonal"``, ``"kfac"`` or ``"ekfac"``.
+        views: ``{id(variable): (split, diagonal_input) or None}`` from
+            ``kg.curvature.layers.kernel_views(model)`` (what LLQR uses);
+            a tensor of two or more axes missing from it warns once.
+            Defaults to `None`: without the model, a variable named
+            ``kernel`` with two or more axes is viewed as its leading axes
+            by its last one (right for Dense and Conv only).
 
     Returns:
         A list of ``(block class, shape, split)`` tuples, ``split`` the
@@ -58,13 +81,22 @@ def layout(variables, structure):
     """
     if structure not in STRUCTURES:
         raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}.")
-    out = []
+    out, fallback = [], []
     for v in variables:
         shape = tuple(int(s) for s in v.shape)
-        if structure != "diagonal" and is_matrix_kernel(v):
-            out.append((_CLASSES[structure], shape, len(shape) - 1))
+        if structure == "diagonal":
+            out.append((Diagonal, shape, None))
+        elif views is not None and views.get(id(v)) is not None:
+            split, diagonal_input = views[id(v)]
+            out.append((_CLASSES[(structure, diagonal_input)], shape, split))
+        elif views is None and is_matrix_kernel(v):
+            out.append((_CLASSES[(structure, False)], shape, len(shape) - 1))
         else:
             out.append((Diagonal, shape, None))
+            if views is not None and id(v) not in views:
+                fallback.append((getattr(v, "path", None) or v.name, shape))
+    if views is not None:
+        warn_diagonal_fallback(fallback, f'LLQR structure="{structure}"')
     return out
 
 
@@ -93,7 +125,7 @@ def param_specs(layout):
     return [(i, *spec) for i, (cls, shape, split) in enumerate(layout) for spec in cls.param_specs(shape, split)]
 
 
-def operator(layout, params):
+def operator(layout, params, paths=None):
     """U as a :class:`BlockDiagonal` operator built from its parameters.
 
     Args:
@@ -116,7 +148,7 @@ def operator(layout, params):
     >>> U.dim, np.allclose(U.to_dense(), np.eye(15))
     (15, True)
     """
-    return BlockDiagonal.from_params(layout, params)
+    return BlockDiagonal.from_params(layout, params, paths)
 
 
 def clip_groups(layout, variables, structure):

@@ -9,6 +9,16 @@ from keras_geosam.estimators.trace import check_positive_int  # noqa: F401
 from keras_geosam.curvature.operators.model import DEFAULT_BATCH_SIZE  # noqa: F401,E402
 
 
+def require_fisher(model, loss, what):
+    """Raises unless the model's loss is a classifier's: the Fisher of the
+    predictive distribution (which the GGN of a squared error is not said to
+    be here) needs one."""
+    from keras_geosam.curvature.functional import model_functions
+    from keras_geosam.curvature.losses import require_classifier
+
+    require_classifier(model_functions(model, loss).spec, what)
+
+
 def check_rtol(rtol, max_probes):
     if rtol is not None and not (isinstance(rtol, (int, float, np.floating)) and rtol > 0):
         raise ValueError(f"rtol must be a number > 0 or None, got {rtol!r}.")

@@ -68,6 +68,7 @@ def fisher_diagonal(model, x, y=None, kind="exact", num_samples=1, seed=0, batch
     """
     check_kind(kind)
     num_samples = _common.check_positive_int("num_samples", num_samples)
+    _common.require_fisher(model, loss, "fisher_diagonal")
     op = GGN(model, x, y, kind=kind, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size)
     return [np.asarray(ops.convert_to_numpy(d), dtype="float64") for d in op.diagonal()]
 
@@ -104,6 +105,7 @@ def dense_fisher(model, x, y=None, kind="exact", num_samples=1, seed=0, batch_si
     ((15, 15), True)
     """
     check_kind(kind)
+    _common.require_fisher(model, loss, "dense_fisher")
     op = GGN(model, x, y, kind=kind, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size)
     G = op.to_dense(max_dim=max_params)
     return (G + G.T) / 2

@@ -51,6 +51,7 @@ def kfac_factors(model, x, y=None, kind="exact", num_samples=1, seed=0, batch_si
     >>> [(path.split("/")[-1], A.shape, S.shape) for path, (A, S) in factors.items()]
     [('kernel', (4, 4), (3, 3))]
     """
+    _common.require_fisher(model, loss, "kfac_factors")
     op = GGN(model, x, y, kind=kind, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size)
     out = {}
     for path, block in zip(op.fns.paths, op.kfac().blocks):

@@ -60,6 +60,7 @@ def fisher_metric(model, x, y=None, structure="diagonal", fisher="exact", num_sa
     """
     if structure not in STRUCTURES:
         raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}.")
+    _common.require_fisher(model, loss, "fisher_metric")
     G = GGN(model, x, y, kind=fisher, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size)
     if structure == "kfac":
         return G.kfac()

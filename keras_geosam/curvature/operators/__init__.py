@@ -1,6 +1,7 @@
 """Linear operators over lists of variable-shaped tensors (see ``base.py``).
 
-Structured: ``Diagonal``, ``KFAC``, ``EKFAC``, ``BlockDiagonal``, ``Dense``.
+Structured: ``Diagonal``, ``KFAC``, ``EKFAC`` (and their Embedding forms
+``DiagonalInputKFAC``, ``DiagonalInputEKFAC``), ``BlockDiagonal``, ``Dense``.
 Of a model's mean loss: ``Hessian``, ``GGN`` (= ``Fisher``; kinds exact, mc,
 empirical), ``GGNResidual`` (H - GGN). Compose them with ``@``, ``+``,
 ``-`` and scalars; every estimator in ``keras_geosam.estimators`` takes any
@@ -21,11 +22,15 @@ from keras_geosam.curvature.operators.structured import KFAC
 from keras_geosam.curvature.operators.structured import BlockDiagonal
 from keras_geosam.curvature.operators.structured import Dense
 from keras_geosam.curvature.operators.structured import Diagonal
+from keras_geosam.curvature.operators.structured import DiagonalInputEKFAC
+from keras_geosam.curvature.operators.structured import DiagonalInputKFAC
 
 __all__ = [
     "BlockDiagonal",
     "Dense",
     "Diagonal",
+    "DiagonalInputEKFAC",
+    "DiagonalInputKFAC",
     "EKFAC",
     "Fisher",
     "GGN",

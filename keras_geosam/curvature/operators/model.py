@@ -31,8 +31,11 @@ from keras_geosam.curvature.functional import check_labels
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.functional import num_examples
 from keras_geosam.curvature.losses import require_classifier
+from keras_geosam.curvature.losses import require_gauss_newton
 from keras_geosam.curvature.operators.base import LinearOperator
+from keras_geosam.curvature.layers import warn_diagonal_fallback
 from keras_geosam.curvature.operators.structured import EKFAC
+from keras_geosam.curvature.operators.structured import DiagonalInputKFAC
 from keras_geosam.curvature.operators.structured import KFAC
 from keras_geosam.curvature.operators.structured import BlockDiagonal
 from keras_geosam.curvature.operators.structured import Diagonal
@@ -229,7 +232,10 @@ class GGN(ModelOperator):
             raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}.")
         self.needs_labels = kind == "empirical"
         super().__init__(model, x, y if kind == "empirical" else None, loss, batch_size, training)
-        require_classifier(self.fns.spec, f"GGN / Fisher ({kind})")
+        if kind == "exact":
+            require_gauss_newton(self.fns.spec, "GGN (exact)")
+        else:
+            require_classifier(self.fns.spec, f"GGN / Fisher ({kind})")
         self.kind, self.num_samples, self.seed = kind, int(num_samples), seed
         self._key = probes.key(seed, "labels")
         self._capture = None
@@ -285,20 +291,38 @@ class GGN(ModelOperator):
         stats = self.statistics()
         return [stats["diag"][i] / ops.cast(self.num_examples, self.dtype) for i in range(len(self.shapes))]
 
-    def kfac(self):
+    def kfac(self, approximation="expand"):
         """K-FAC approximation of this kind: a :class:`BlockDiagonal` with a
-        :class:`KFAC` block (``A`` the mean over examples and positions of
-        input rows ``a a^T``, ``B = 1/N sum delta delta^T``, "K-FAC expand")
-        for every covered kernel and a :class:`Diagonal` block (the exact
-        diagonal) for every other variable."""
-        stats = self.statistics(kernel_diag=(), factors=True)
+        :class:`KFAC` block for every covered kernel (Dense, Conv,
+        EinsumDense; a :class:`DiagonalInputKFAC` for an Embedding) and a
+        :class:`Diagonal` block (the exact diagonal) for every other
+        variable.
+
+        Args:
+            approximation: for layers applied at every position of a
+                sequence or image, ``"expand"`` (default: ``A`` the mean over
+                examples and positions of input rows ``a a^T``, ``B = 1/N
+                sum_{n,t} delta delta^T``) or ``"reduce"`` (``A`` the mean
+                over examples of ``abar abar^T``, ``abar`` the mean row over
+                positions, ``B = 1/N sum_n (sum_t delta)(sum_t delta)^T``);
+                Eschenhagen et al. (2023). The two agree for layers with one
+                position per example. An Embedding's input factor is kept
+                diagonal in both.
+
+        The returned operator's ``summary()`` lists each variable's block
+        and 2-D view. A tensor of two or more axes without a K-FAC rule
+        falls back to a diagonal block, with one warning naming it.
+        """
+        stats = self.statistics(kernel_diag=(), factors=True, approximation=approximation)
         n = ops.cast(self.num_examples, self.dtype)
         kernels = {}
         for j, rule in enumerate(self.capture.kfac_rules):
             i = self.capture.position[id(rule.kernel)]
-            kernels[i] = KFAC(stats["A"][j] / stats["rows"][j], stats["B"][j] / n, self.shapes[i], rule.split)
+            cls = DiagonalInputKFAC if rule.diagonal_input else KFAC
+            kernels[i] = cls(stats["A"][j] / stats["rows"][j], stats["B"][j] / n, self.shapes[i], rule.split)
+        warn_diagonal_fallback([(self.fns.paths[i], self.shapes[i]) for i in self.capture.uncovered], "the K-FAC metric")
         blocks = [kernels[i] if i in kernels else Diagonal([stats["diag"][i] / n]) for i in range(len(self.shapes))]
-        return BlockDiagonal(blocks)
+        return BlockDiagonal(blocks, paths=self.fns.paths)
 
     def trace_with(self, weight=None):
         """Exact ``tr(weight @ GGN)`` (or ``tr(GGN)`` for ``weight=None``).
@@ -318,6 +342,8 @@ class GGN(ModelOperator):
                         f"trace_with: the EKFAC block of variable {i} needs orthogonal bases and a "
                         "Dense/Conv/EinsumDense kernel."
                     )
+                if (b.QA is None) != self.capture.kfac_rules[kernel_pos[i]].diagonal_input:
+                    raise ValueError(f"trace_with: the EKFAC block of variable {i} does not match its layer's K-FAC view.")
                 bases[kernel_pos[i]] = (b.QA, b.QG, b.s)
             elif i in kernel_pos:
                 diag_rules.append(kernel_pos[i])

@@ -29,6 +29,7 @@ from keras_geosam.curvature.functional import mean
 from keras_geosam.curvature.operators.base import LinearOperator
 from keras_geosam.curvature.operators.base import flatten
 from keras_geosam.curvature.operators.base import scalar
+from keras_geosam.curvature.operators.base import static_shape
 from keras_geosam.curvature.operators.base import unflatten
 
 
@@ -171,10 +172,13 @@ class KFAC(_Spectral, LinearOperator):
         shape = tuple(int(s) for s in shape)
         self.split, self.view = _matrix_view(shape, split)
         A, B = ops.convert_to_tensor(A), ops.convert_to_tensor(B)
-        if tuple(ops.shape(A)) != (self.view[0],) * 2 or tuple(ops.shape(B)) != (self.view[1],) * 2:
-            raise ValueError(f"KFAC factors of shapes {tuple(ops.shape(A))}, {tuple(ops.shape(B))} do not fit the view {self.view}.")
+        # A vector A is a diagonal input factor (an Embedding's token counts).
+        rows = (self.view[0],) if len(A.shape) == 1 else (self.view[0],) * 2
+        if static_shape(A) != rows or static_shape(B) != (self.view[1],) * 2:
+            raise ValueError(f"KFAC factors of shapes {static_shape(A)}, {static_shape(B)} do not fit the view {self.view}.")
         super().__init__([shape], A.dtype)
         self.A, self.B = A, B
+        self.diagonal_input = len(A.shape) == 1
 
     @property
     def params(self):
@@ -193,21 +197,32 @@ class KFAC(_Spectral, LinearOperator):
         (X,) = self.check(vectors)
         k = ops.shape(X)[0]
         Y = ops.reshape(X, (k,) + self.view)
-        Y = ops.einsum("ij,kjl,ml->kim", ops.cast(self.A, X.dtype), Y, ops.cast(self.B, X.dtype))
+        A, B = ops.cast(self.A, X.dtype), ops.cast(self.B, X.dtype)
+        if self.diagonal_input:
+            Y = A[None, :, None] * ops.einsum("kjl,ml->kjm", Y, B)
+        else:
+            Y = ops.einsum("ij,kjl,ml->kim", A, Y, B)
         return [ops.reshape(Y, ops.shape(X))]
 
+    def _input_diagonal(self):
+        return self.A if self.diagonal_input else ops.diagonal(self.A)
+
     def diagonal(self):
-        d = ops.diagonal(self.A)[:, None] * ops.diagonal(self.B)[None, :]
+        d = self._input_diagonal()[:, None] * ops.diagonal(self.B)[None, :]
         return [ops.reshape(d, self.shapes[0])]
 
     def trace(self):
-        return ops.trace(self.A) * ops.trace(self.B)
+        return ops.sum(self._input_diagonal()) * ops.trace(self.B)
 
     def eigh(self):
         """Eigenvalues and eigenvectors of both (symmetrised) factors, computed
-        once per operator (inverse and inverse_sqrt share them)."""
+        once per operator (inverse and inverse_sqrt share them). A diagonal
+        input factor is its own eigendecomposition (basis None: identity)."""
         if getattr(self, "_eigh", None) is None:
-            la, qa = backend.eigh((self.A + ops.transpose(self.A)) / 2)
+            if self.diagonal_input:
+                la, qa = self.A, None
+            else:
+                la, qa = backend.eigh((self.A + ops.transpose(self.A)) / 2)
             lb, qb = backend.eigh((self.B + ops.transpose(self.B)) / 2)
             self._eigh = (la, qa, lb, qb)
         return self._eigh
@@ -260,7 +275,9 @@ class EKFAC(_Spectral, LinearOperator):
     def __init__(self, QA, QG, s, shape, split=None, orthogonal=False):
         shape = tuple(int(d) for d in shape)
         self.split, self.view = _matrix_view(shape, split)
-        QA, QG, s = (ops.convert_to_tensor(t) for t in (QA, QG, s))
+        # QA None: the rows' basis is the identity (a diagonal input factor).
+        QA = None if QA is None else ops.convert_to_tensor(QA)
+        QG, s = ops.convert_to_tensor(QG), ops.convert_to_tensor(s)
         s = ops.reshape(s, self.view)
         super().__init__([shape], s.dtype)
         self.QA, self.QG, self.s = QA, QG, s
@@ -268,7 +285,7 @@ class EKFAC(_Spectral, LinearOperator):
 
     @property
     def params(self):
-        return [self.QA, self.QG, self.s]
+        return [self.QG, self.s] if self.QA is None else [self.QA, self.QG, self.s]
 
     @staticmethod
     def param_specs(shape, split=None):
@@ -282,14 +299,21 @@ class EKFAC(_Spectral, LinearOperator):
     def matmat(self, vectors):
         (X,) = self.check(vectors)
         k = ops.shape(X)[0]
-        QA, QG, s = (ops.cast(t, X.dtype) for t in (self.QA, self.QG, self.s))
+        QG, s = ops.cast(self.QG, X.dtype), ops.cast(self.s, X.dtype)
         Y = ops.reshape(X, (k,) + self.view)
-        inner = ops.einsum("ji,kjl,lm->kim", QA, Y, QG)
-        Y = ops.einsum("ij,kjl,ml->kim", QA, s[None] * inner, QG)
+        if self.QA is None:
+            Y = ops.einsum("kjl,ml->kjm", s[None] * ops.einsum("kjl,lm->kjm", Y, QG), QG)
+        else:
+            QA = ops.cast(self.QA, X.dtype)
+            inner = ops.einsum("ji,kjl,lm->kim", QA, Y, QG)
+            Y = ops.einsum("ij,kjl,ml->kim", QA, s[None] * inner, QG)
         return [ops.reshape(Y, ops.shape(X))]
 
     def diagonal(self):
-        d = ops.einsum("ij,jl,ml->im", ops.square(self.QA), self.s, ops.square(self.QG))
+        if self.QA is None:
+            d = ops.einsum("jl,ml->jm", self.s, ops.square(self.QG))
+        else:
+            d = ops.einsum("ij,jl,ml->im", ops.square(self.QA), self.s, ops.square(self.QG))
         return [ops.reshape(d, self.shapes[0])]
 
     def trace(self):
@@ -302,6 +326,55 @@ class EKFAC(_Spectral, LinearOperator):
         rcond = max(self.view) * _eps(self.s.dtype) if rcond is None else rcond
         return EKFAC(self.QA, self.QG, spectral(self.s, lam, power, rcond), self.shapes[0], self.split, orthogonal=True)
 
+
+
+class DiagonalInputKFAC(KFAC):
+    """:class:`KFAC` with a diagonal input factor: ``X -> diag(a) X B^T``.
+
+    The block of an Embedding (its input rows are one-hot tokens, so the
+    input factor is diagonal: token counts) for LLQR's U and the metric;
+    the ``vocabulary x vocabulary`` factor is never formed.
+
+    Args:
+        a: ``(m,)`` diagonal of the input factor.
+        B: ``(n, n)`` output factor.
+        shape, split: as for :class:`KFAC`.
+
+    Example:
+
+    >>> K = kg.curvature.DiagonalInputKFAC(np.array([1.0, 2.0], "float32"), 3.0 * np.eye(2, dtype="float32"), (2, 2))
+    >>> np.allclose(K.to_dense(), np.kron(np.diag([1.0, 2.0]), 3.0 * np.eye(2))), float(K.trace())
+    (True, 18.0)
+    """
+
+    @staticmethod
+    def param_specs(shape, split=None):
+        _, (m, n) = _matrix_view(tuple(shape), split)
+        return [("a", (m,), "ones", False), ("B", (n, n), "identity", False)]
+
+
+class DiagonalInputEKFAC(EKFAC):
+    """:class:`EKFAC` whose input basis is the identity:
+    ``X -> (s * (X Q_G)) Q_G^T`` (an Embedding's EK-FAC block; LLQR learns
+    ``Q_G`` and ``s``).
+
+    Args:
+        QG: ``(n, n)`` basis of the columns.
+        s: the ``m * n`` scales.
+        shape, split, orthogonal: as for :class:`EKFAC`.
+    """
+
+    def __init__(self, QG, s, shape, split=None, orthogonal=False):
+        super().__init__(None, QG, s, shape, split, orthogonal)
+
+    @staticmethod
+    def param_specs(shape, split=None):
+        _, (m, n) = _matrix_view(tuple(shape), split)
+        return [("QG", (n, n), "identity", False), ("s", (m, n), "ones", True)]
+
+    @classmethod
+    def from_params(cls, params, shape, split=None):
+        return cls(params[0], params[1], shape, split)
 
 
 class BlockDiagonal(LinearOperator):
@@ -329,13 +402,39 @@ class BlockDiagonal(LinearOperator):
     ['EKFAC', 'Diagonal']
     """
 
-    def __init__(self, blocks):
+    def __init__(self, blocks, paths=None):
         blocks = list(blocks)
         if not blocks:
             raise ValueError("BlockDiagonal needs at least one block.")
         shapes = [s for b in blocks for s in b.shapes]
         super().__init__(shapes, blocks[0].dtype)
         self.blocks = blocks
+        if paths is not None and len(paths) != len(shapes):
+            raise ValueError(f"{len(paths)} paths for {len(shapes)} tensors.")
+        self.paths = None if paths is None else list(paths)
+
+    def describe(self):
+        """One dict per block: ``path`` (the variable's, where known),
+        ``block`` (its class), ``shape`` and ``view`` (the ``(m, n)`` matrix
+        view of a Kronecker block, the tensor's shape for a diagonal one)."""
+        out, i = [], 0
+        for b in self.blocks:
+            for shape in b.shapes:
+                path = self.paths[i] if self.paths else f"tensor {i}"
+                view = tuple(b.view) if hasattr(b, "view") else tuple(shape)
+                out.append({"path": path, "block": type(b).__name__, "shape": tuple(shape), "view": view})
+                i += 1
+        return out
+
+    def summary(self, print_fn=print):
+        """Prints each variable's block type and 2-D view (see ``describe``)."""
+        rows = [(d["path"], d["block"], "x".join(map(str, d["shape"])) or "()",
+                 " x ".join(map(str, d["view"])) if d["block"] != "Diagonal" else "diagonal")
+                for d in self.describe()]
+        head = ("variable", "block", "shape", "2-D view")
+        widths = [max(len(str(r[c])) for r in rows + [head]) for c in range(4)]
+        for r in [head] + rows:
+            print_fn("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
 
     # Learnable layout: [(block class, shape, split)] with one tensor per block.
     @staticmethod
@@ -343,7 +442,7 @@ class BlockDiagonal(LinearOperator):
         return [spec for cls, shape, split in layout for spec in cls.param_specs(shape, split)]
 
     @classmethod
-    def from_params(cls, layout, params):
+    def from_params(cls, layout, params, paths=None):
         blocks, i = [], 0
         for kind, shape, split in layout:
             k = len(kind.param_specs(shape, split))
@@ -351,7 +450,7 @@ class BlockDiagonal(LinearOperator):
             i += k
         if i != len(params):
             raise ValueError(f"{len(params)} parameters for a layout that takes {i}.")
-        return cls(blocks)
+        return cls(blocks, paths)
 
     @property
     def params(self):
@@ -386,10 +485,10 @@ class BlockDiagonal(LinearOperator):
         return [damping] * len(self.blocks)
 
     def inverse(self, damping=0.0, relative=False, rcond=None):
-        return BlockDiagonal([b.inverse(d, relative, rcond) for b, d in zip(self.blocks, self._per_block(damping))])
+        return BlockDiagonal([b.inverse(d, relative, rcond) for b, d in zip(self.blocks, self._per_block(damping))], self.paths)
 
     def inverse_sqrt(self, damping=0.0, relative=False, rcond=None):
-        return BlockDiagonal([b.inverse_sqrt(d, relative, rcond) for b, d in zip(self.blocks, self._per_block(damping))])
+        return BlockDiagonal([b.inverse_sqrt(d, relative, rcond) for b, d in zip(self.blocks, self._per_block(damping))], self.paths)
 
 
 class Dense(_Spectral, LinearOperator):
