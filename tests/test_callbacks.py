@@ -314,6 +314,30 @@ def test_refresh_monitor_logs_count_and_time(attach):
     assert len(model.evaluate(x, y, verbose=0, return_dict=True)) == 1  # loss only
 
 
+def test_refresh_seconds_include_the_step_zero_refresh_inside_the_step(capsys):
+    """The step-0 refresh runs in the step that also compiles: it is
+    counted (exactly on torch and TensorFlow, from step times less JAX's
+    compile events on JAX), and a long one prints one line when verbose."""
+    import time
+
+    import numpy as np
+
+    from keras_geosam.callbacks import RefreshMonitor
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 4)).astype("float32"), rng.integers(0, 3, size=64)
+    model = _llqr_model(False, structure="kfac", refresh_every=1000, refresh_steps=3000)
+    monitor = RefreshMonitor(notice_seconds=0.0)
+    start = time.perf_counter()
+    h = model.fit(x, y, batch_size=8, epochs=2, verbose=2, callbacks=[monitor])
+    elapsed = time.perf_counter() - start
+    assert h.history["refreshes"] == [1.0, 1.0]
+    first, second = h.history["refresh_seconds"]
+    assert 0.0 < first == second < elapsed
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("LLQR: a refresh of U")]
+    assert len(printed) == 1 and "3000 inner steps" in printed[0]
+
+
 def test_refresh_monitor_follows_accumulation_and_a_second_fit():
     import numpy as np
 
@@ -345,6 +369,8 @@ def test_refresh_monitor_is_silent_without_u():
     assert "refreshes" not in h.history
     with pytest.raises(ValueError, match="prefix"):
         kg.callbacks.RefreshMonitor(prefix=1)
+    with pytest.raises(ValueError, match="notice_seconds"):
+        kg.callbacks.RefreshMonitor(notice_seconds=-1)
 
 
 def test_refresh_monitor_keeps_keras_asynchronous_dispatch():

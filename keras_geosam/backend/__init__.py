@@ -55,6 +55,13 @@ a list of backend tensors:
 - ``add_scaled(y, x, alpha)``: ``y + alpha * x`` for a Python number or a
   scalar tensor, one pass over memory on eager torch; an IndexedSlices
   operand is scattered into the dense one
+- ``compile_seconds()``: seconds this process has spent tracing and
+  compiling steps (JAX's monitoring events; TensorFlow's traces of
+  ``traced`` functions; 0 on eager torch), left out of timed steps
+- ``traced(fn)``: `fn`, its runs during a TensorFlow trace counted
+- ``step_timer(model)``: ``(timed, read)``, a device clock for work inside
+  a traced step (TensorFlow's in-graph timestamps, without XLA or
+  tf.distribute), or None
 - ``uncompiled(fn)``: `fn` run eagerly inside a compiled step where the
   compiler cannot take it (torch.compile: LLQR's in-step refresh); `fn`
   itself where the step is traced whole (JAX, TensorFlow)
@@ -101,6 +108,9 @@ cond_apply = _impl.cond_apply
 vdot = _impl.vdot
 add_scaled = _impl.add_scaled
 densify = _impl.densify
+compile_seconds = _impl.compile_seconds
+traced = _impl.traced
+step_timer = _impl.step_timer
 scale = _impl.scale
 uncompiled = _impl.uncompiled
 gate_preparation = _impl.gate_preparation
@@ -134,6 +144,9 @@ __all__ = [
     "vdot",
     "add_scaled",
     "densify",
+    "compile_seconds",
+    "traced",
+    "step_timer",
     "scale",
     "uncompiled",
     "gate_preparation",

@@ -12,6 +12,21 @@ def uncompiled(fn):
     return fn
 
 
+def traced(fn):
+    """`fn` itself (only TensorFlow's tracing is timed by hand)."""
+    return fn
+
+
+def step_timer(model):
+    """None: no clock inside a compiled step (JAX; torch times on the host)."""
+    return None
+
+
+def compile_seconds():
+    """Seconds spent compiling steps (none: steps run eagerly)."""
+    return 0.0
+
+
 def densify(x):
     """`x` itself: only TensorFlow has sparse gradients (IndexedSlices)."""
     return x

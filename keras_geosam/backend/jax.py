@@ -13,6 +13,23 @@ slow_convolutions_in_loops = jax.default_backend() == "cpu"
 eager_steps = False
 
 
+_COMPILE_SECONDS = [0.0]
+
+
+def _on_duration(event, seconds, **kwargs):
+    if event.startswith("/jax/core/compile/"):
+        _COMPILE_SECONDS[0] += seconds
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+def compile_seconds():
+    """Seconds JAX has spent tracing, lowering and compiling in this
+    process (its own monitoring events), so a timed step can leave them out."""
+    return _COMPILE_SECONDS[0]
+
+
 def value_and_grad(f, params, *args, has_aux=False, sparse=False):
     """Returns ``(value, grads)`` or, with ``has_aux``, ``((value, aux), grads)``
     (JAX's gradients are always dense: `sparse` changes nothing)."""
@@ -237,6 +254,8 @@ from keras_geosam.backend._single_device import replica_count  # noqa: E402,F401
 # The step is compiled, so the keras.ops forms cost no per-op dispatch.
 from keras_geosam.backend._generic import add_scaled  # noqa: E402,F401
 from keras_geosam.backend._generic import densify  # noqa: E402,F401
+from keras_geosam.backend._generic import step_timer  # noqa: E402,F401
+from keras_geosam.backend._generic import traced  # noqa: E402,F401
 from keras_geosam.backend._generic import scale  # noqa: E402,F401
 from keras_geosam.backend._generic import uncompiled  # noqa: E402,F401
 from keras_geosam.backend._generic import vdot  # noqa: E402,F401

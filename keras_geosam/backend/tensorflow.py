@@ -13,6 +13,60 @@ slow_convolutions_in_loops = False
 eager_steps = False
 
 
+_TRACE_SECONDS = [0.0]
+
+
+def traced(fn):
+    """`fn`, whose Python run while TensorFlow traces a graph is counted in
+    ``compile_seconds`` (the train step's body runs only then)."""
+    import functools
+    import time
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if tf.executing_eagerly():
+            return fn(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _TRACE_SECONDS[0] += time.perf_counter() - start
+
+    return run
+
+
+def step_timer(model):
+    """A device clock for work inside the traced train step: ``(timed,
+    read)`` with ``timed(fn)`` running `fn` between two in-graph
+    timestamps (`fn`'s ops depend on the first, the second on its results)
+    and adding the difference to a variable ``read()`` returns. None under
+    XLA (``jit_compile=True``: no timestamp op) or tf.distribute (the
+    variable would need a replica-aware aggregation)."""
+    if getattr(model, "jit_compile", False) or tf.distribute.has_strategy() or getattr(model, "_distribute_strategy", None) is not None:
+        return None
+    total = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="geosam_step_timer")
+
+    def timed(fn):
+        def run(*args, **kwargs):
+            start = tf.timestamp()
+            with tf.control_dependencies([start]):
+                out = fn(*args, **kwargs)
+            with tf.control_dependencies(tf.nest.flatten(out)):
+                added = total.assign_add(tf.timestamp() - start)
+            with tf.control_dependencies([added]):
+                return tf.nest.map_structure(tf.identity, out)
+
+        return run
+
+    return timed, lambda: float(total.numpy())
+
+
+def compile_seconds():
+    """Seconds spent tracing train steps in this process (graph
+    optimisation and XLA compilation after tracing are not counted)."""
+    return _TRACE_SECONDS[0]
+
+
 # A gather (an Embedding's lookup) has a sparse gradient, tf.IndexedSlices:
 # rows and their indices, repeated indices meaning sums. Only the train step
 # asks for it (``value_and_grad(..., sparse=True)``: the statistics, the

@@ -318,7 +318,10 @@ from keras_geosam.backend._single_device import wait_for_step  # noqa: E402,F401
 from keras_geosam.backend._single_device import save_from_primary  # noqa: E402,F401
 from keras_geosam.backend._single_device import replica_count  # noqa: E402,F401
 
+from keras_geosam.backend._generic import compile_seconds  # noqa: E402,F401
 from keras_geosam.backend._generic import densify  # noqa: E402,F401
+from keras_geosam.backend._generic import step_timer  # noqa: E402,F401
+from keras_geosam.backend._generic import traced  # noqa: E402,F401
 from keras_geosam.backend._generic import scale  # noqa: E402,F401
 
 # Eager steps decide the refresh on the host, inside the step.

@@ -6,6 +6,7 @@ optimizer variable) and asks this object for ``U v``, the descent direction
 and the refresh. See ``objective.py`` for the refresh itself.
 """
 
+import time
 import warnings
 
 import keras
@@ -30,6 +31,57 @@ OPTIONS = (
     "clip_norm", "beta", "min_diagonal", "coupled_weight_decay", "refresh_until", "decay_mask",
 )
 DECAY_MASKS = ("all", "kernels")
+
+
+class RefreshClock:
+    """Wall time of the refreshes the host runs itself, measured exactly:
+    every refresh on eager torch (in the step or not) and every
+    ``refresh_now`` (``PreconditionerRefresh``). A refresh inside a compiled
+    step (JAX, TensorFlow) is timed by ``RefreshMonitor`` from the step
+    times instead. Not saved: a count of this process's seconds."""
+
+    def __init__(self):
+        self.seconds, self.count, self.last = 0.0, 0, None
+        self._device = None  # (model, timed, read) of a clock inside the step
+
+    def in_step(self, model, fn):
+        """`fn` timed inside the compiled step of `model` where the backend
+        has a device clock (``backend.step_timer``), else None."""
+        if self._device is None or self._device[0] is not model:
+            timer = backend.step_timer(model)
+            self._device = (model,) + (timer if timer is not None else (None, None))
+        timed = self._device[1]
+        return None if timed is None else timed(fn)
+
+    @property
+    def exact_in_step(self):
+        """Whether in-step refreshes are on this clock (eager torch, or a
+        device clock inside the step)."""
+        return backend.eager_steps or (self._device is not None and self._device[1] is not None)
+
+    def total(self):
+        """Seconds of every refresh timed so far (a device read where a
+        clock runs inside the step)."""
+        device = self._device[2]() if self._device is not None and self._device[2] is not None else 0.0
+        return self.seconds + device
+
+    def timed(self, fn):
+        """`fn` that adds its time to the clock, waiting for the device at
+        its end (a read of one element of its result)."""
+
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            ops.convert_to_numpy(ops.reshape(out[-1], (-1,))[0])
+            self.add(time.perf_counter() - start)
+            return out
+
+        return run
+
+    def add(self, seconds):
+        self.seconds += seconds
+        self.count += 1
+        self.last = seconds
 
 
 class LearnedPreconditioner:
@@ -125,6 +177,7 @@ class LearnedPreconditioner:
         self.variables = []
         self.paths = None
         self.refreshes = None
+        self.clock = RefreshClock()
 
     def get_config(self):
         return {
@@ -261,7 +314,12 @@ class LearnedPreconditioner:
         # which would change a plain read); otherwise nothing changes.
         before = ops.cond(due, lambda: [ops.copy(v) for v in held], lambda: held)
         current = held[:-1]
-        new = ops.cond(due, lambda: self.refreshed(model, values, non_trainable, x, y), lambda: current)
+        refresh = lambda: self.refreshed(model, values, non_trainable, x, y)  # noqa: E731
+        if backend.eager_steps:  # the host runs it: time it exactly
+            refresh = self.clock.timed(refresh)
+        else:
+            refresh = self.clock.in_step(model, refresh) or refresh
+        new = ops.cond(due, refresh, lambda: current)
         for p, value in zip(self.variables, new):
             p.assign(value)
         self.refreshes.assign_add(ops.cast(due, self.refreshes.dtype))
@@ -271,7 +329,7 @@ class LearnedPreconditioner:
         """Refreshes U eagerly on batch ``(x, y)`` at the model's weights."""
         values = [v.value for v in model.trainable_variables]
         non_trainable = [v.value for v in model.non_trainable_variables]
-        new = self._compiled(model)(values, non_trainable, ops.convert_to_tensor(x), ops.convert_to_tensor(y))
+        new = self.clock.timed(self._compiled(model))(values, non_trainable, ops.convert_to_tensor(x), ops.convert_to_tensor(y))
         for p, value in zip(self.variables, new):
             p.assign(value)
         self.refreshes.assign_add(1)

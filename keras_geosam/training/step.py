@@ -313,6 +313,7 @@ def stateless_train_step(model, state, data):
     return logs, (new_tv, new_ntv, new_opt_vars, new_mv)
 
 
+@backend.traced  # RefreshMonitor leaves a TensorFlow trace out of a refresh's time
 def train_step(model, *args):
     if backend.name == "jax":
         return stateless_train_step(model, *args)

@@ -340,6 +340,9 @@ class DiagonalInputKFAC(KFAC):
         B: ``(n, n)`` output factor.
         shape, split: as for :class:`KFAC`.
 
+    Raises:
+        ValueError: as for :class:`KFAC`.
+
     Example:
 
     >>> K = kg.curvature.DiagonalInputKFAC(np.array([1.0, 2.0], "float32"), 3.0 * np.eye(2, dtype="float32"), (2, 2))
@@ -362,6 +365,19 @@ class DiagonalInputEKFAC(EKFAC):
         QG: ``(n, n)`` basis of the columns.
         s: the ``m * n`` scales.
         shape, split, orthogonal: as for :class:`EKFAC`.
+
+    Raises:
+        ValueError: as for :class:`EKFAC`.
+
+    Example:
+
+    >>> s = np.arange(1, 5, dtype="float32").reshape(2, 2)
+    >>> E = kg.curvature.DiagonalInputEKFAC(np.eye(2, dtype="float32"), s, shape=(2, 2), orthogonal=True)
+    >>> np.diag(E.to_dense()).tolist(), float(E.trace())
+    ([1.0, 2.0, 3.0, 4.0], 10.0)
+    >>> K = kg.curvature.DiagonalInputKFAC(np.array([1.0, 2.0], "float32"), np.eye(2, dtype="float32"), (2, 2))
+    >>> type(K.inverse()).__name__, K.inverse().QA is None  # the identity input basis, never formed
+    ('EKFAC', True)
     """
 
     def __init__(self, QG, s, shape, split=None, orthogonal=False):
