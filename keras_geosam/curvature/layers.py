@@ -452,19 +452,30 @@ def rule_for(layer, training=False):
     return None
 
 
-def kernel_views(model):
+def kernel_views(model, for_preconditioner=False):
     """The K-FAC view of every covered kernel of `model`: ``{id(variable):
     (split, diagonal_input)}``, ``split`` the number of the kernel's leading
     axes that make the rows (the axes contracted with the layer's input),
     ``diagonal_input`` True where the input factor is diagonal (Embedding);
     the other variables of covered layers (biases, scales) map to None.
-    LLQR's U and the K-FAC metric both read their blocks from here."""
+    LLQR's U and the K-FAC metric both read their blocks from here;
+    `for_preconditioner` adds the tables of Embedding subclasses the metric
+    has no rule for (see below)."""
     views = {}
     for rule in rules_for(model):
         for v in rule.variables:  # biases, scales: diagonal blocks by design
             views.setdefault(id(v), None)
         if rule.kernel is not None:
             views[id(rule.kernel)] = (rule.split, rule.diagonal_input)
+    if for_preconditioner:
+        # A learned U needs only the layout of a lookup table, not exact
+        # per-example rows: Embedding subclasses whose call the metric does
+        # not cover (keras-hub's ReversibleEmbedding, which ties the table
+        # to the output projection) still get a diagonal-input block.
+        for layer in leaf_layers(model):
+            table = getattr(layer, "embeddings", None) if isinstance(layer, keras.layers.Embedding) else None
+            if table is not None and table.trainable and id(table) not in views:
+                views[id(table)] = (1, True)
     return views
 
 
@@ -476,7 +487,8 @@ def warn_diagonal_fallback(entries, what):
     shape)`` of two or more axes that gets a diagonal block in `what` for
     want of a K-FAC rule for its layer (1-D tensors are diagonal blocks by
     design)."""
-    new = [(p, tuple(shape)) for p, shape in entries if len(shape) >= 2 and (what, p) not in _WARNED]
+    # A tensor with one axis longer than 1 (a ViT's (1, 1, d) class token) is a vector.
+    new = [(p, tuple(shape)) for p, shape in entries if sum(int(d) > 1 for d in shape) >= 2 and (what, p) not in _WARNED]
     if not new:
         return
     _WARNED.update((what, p) for p, _ in new)

@@ -165,6 +165,21 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
     # hands them dense gradients (one dense copy of such a gradient per pass).
     sparse_gradients = False
 
+    @property
+    def takes_sparse_gradients(self):
+        """Whether the step may hand this optimizer sparse gradients: its own
+        pieces take them (``sparse_gradients``) and so does its base. Keras'
+        TensorFlow optimizers other than SGD (Adam, RMSprop, Adagrad, ...),
+        and its norm and value clipping, treat the repeated rows of an
+        IndexedSlices (a token seen twice in a batch) as separate entries,
+        squaring before summing: their update differs from the dense one
+        (and from JAX's and torch's), so those get dense gradients."""
+        base = self.base_optimizer
+        linear = type(base) is keras.optimizers.SGD and all(
+            getattr(base, name, None) is None for name in ("clipnorm", "clipvalue", "global_clipnorm")
+        )
+        return self.sparse_gradients and linear
+
     # ---------------------------------------------------------- hooks ----
     # Whether prepare_step can do work; then ``refresh_bounds`` (host-side
     # bounds on the step counter) tells which steps may skip it.

@@ -64,10 +64,15 @@ class SAM(TwoPassOptimizer):
         # sparse; ASAM's element-wise T g needs it dense.
         return not self.adaptive
 
+    def build_state(self, var_list):
+        # ASAM's T = |theta| + eta on weight tensors, 1 on biases, whatever
+        # their rank (MultiHeadAttention's are (heads, head_dim)).
+        self._weight_tensor = [len(v.shape) > 1 and v.name.split("/")[-1] != "bias" for v in var_list]
+
     def _scale(self, values):
         if not self.adaptive:
             return [None] * len(values)
-        return [ops.abs(v) + self.eta if len(v.shape) > 1 else None for v in values]
+        return [ops.abs(v) + self.eta if w else None for v, w in zip(values, self._weight_tensor)]
 
     def scaled_perturbation(self, centre_grads, values):
         T = self._scale(values)

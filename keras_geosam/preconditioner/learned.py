@@ -10,7 +10,6 @@ import time
 import warnings
 
 import keras
-import numpy as np
 from keras import ops
 
 from keras_geosam import backend
@@ -194,7 +193,7 @@ class LearnedPreconditioner:
         """Creates U's variables (and the refresh counter) on `optimizer`;
         `model` (the one the optimizer trains) gives the kernels' K-FAC
         views (``structures.layout``)."""
-        views = None if model is None or self.structure == "diagonal" else kernel_views(model)
+        views = None if model is None or self.structure == "diagonal" else kernel_views(model, for_preconditioner=True)
         self.layout = structures.layout(var_list, self.structure, views)
         self.paths = [getattr(v, "path", None) or v.name for v in var_list]
         self.groups = structures.clip_groups(self.layout, var_list, self.structure)
@@ -260,7 +259,7 @@ class LearnedPreconditioner:
             z = ops.stop_gradient(z)
             p = ops.exp(ops.log_softmax(z, axis=-1))
             r = fns.output_gradient(z, y)
-            n = ops.cast(int(np.prod([int(d) for d in z.shape[:-1]])), z.dtype)
+            n = ops.cast(ops.size(z) // int(z.shape[-1]), z.dtype)  # examples (tokens); batch size may be unknown when traced
             gbar = [ops.cast(g, v.dtype) for g, v in zip(vjp_fn(r / n), values)]
 
             def gprod(u):

@@ -81,7 +81,7 @@ def two_pass(model, optimizer, tv, ntv, mv, x, y, sw, scale=None):
     """Both passes on one batch. Pure: returns a dict of values."""
     # An optimizer that takes sparse gradients (an Embedding's, on
     # TensorFlow) gets them as they are; the others get them dense.
-    sparse = optimizer.sparse_gradients
+    sparse = optimizer.takes_sparse_gradients
     ((_, (loss_c, y_pred, ntv_c, mv_c)), g_c) = backend.value_and_grad(
         lambda p, *a: _forward(model, p, *a), list(tv), ntv, mv, x, y, sw, scale, has_aux=True, sparse=sparse
     )
