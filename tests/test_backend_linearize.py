@@ -134,6 +134,11 @@ def test_unrolled_refresh_equals_the_loop():
     inputs = keras.Input((4, 6))
     attention = keras.Model(inputs, keras.layers.MultiHeadAttention(2, 3)(inputs, inputs))
     assert pre._unroll(attention) is False
+    # A ViT: one patch convolution, attention kernels hold the most entries.
+    images = keras.Input((8, 8, 3))
+    patches = keras.layers.Reshape((4, 8))(keras.layers.Conv2D(8, 4, strides=4)(images))
+    vit = keras.Model(images, keras.layers.MultiHeadAttention(2, 8)(patches, patches))
+    assert pre._unroll(vit) is False
     values = [v.value for v in model.trainable_variables]
     nt = [v.value for v in model.non_trainable_variables]
     gbar, gprod = pre._problem(model, values, nt, x, y)

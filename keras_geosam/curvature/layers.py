@@ -532,8 +532,13 @@ CONVOLUTIONS = tuple(
 )
 
 
-def has_trainable_convolutions(model):
-    """Whether `model` has a convolution layer with trainable weights."""
+def is_convolutional(model):
+    """Whether `model` is a convolutional network: a convolution with
+    trainable weights and no attention layer (a ViT, whose one convolution
+    cuts the patches, is not)."""
+    layers = list(model._flatten_layers(include_self=False))
+    if any(isinstance(layer, keras.layers.MultiHeadAttention) for layer in layers):
+        return False
     return any(isinstance(layer, CONVOLUTIONS) and layer.trainable_variables for layer in leaf_layers(model))
 
 

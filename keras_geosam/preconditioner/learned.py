@@ -16,7 +16,7 @@ from keras_geosam import backend
 from keras_geosam._checks import check_int as _check_int
 from keras_geosam._checks import check_number
 from keras_geosam.curvature.functional import model_functions
-from keras_geosam.curvature.layers import has_trainable_convolutions
+from keras_geosam.curvature.layers import is_convolutional
 from keras_geosam.curvature.layers import kernel_views
 from keras_geosam.curvature.losses import require_classifier
 from keras_geosam.curvature.losses import resolve_loss
@@ -286,9 +286,10 @@ class LearnedPreconditioner:
         # XLA:CPU runs convolutions' kernel gradients many times slower
         # inside a compiled loop (a small ResNet's refresh: 52 s looped,
         # 2 s unrolled after a 46 s compile); other backends and devices,
-        # and networks without convolutions (a Transformer: unrolled, its
-        # first step compiled for minutes), keep the loop, which compiles once.
-        unroll = backend.slow_convolutions_in_loops and has_trainable_convolutions(model)
+        # and networks with attention (a Transformer, or a ViT with its one
+        # patch convolution: unrolled, the first step compiled for minutes
+        # to 25 minutes), keep the loop, which compiles once.
+        unroll = backend.slow_convolutions_in_loops and is_convolutional(model)
         if unroll and not self.__dict__.get("_told_unroll"):
             self._told_unroll = True
             warnings.warn(
