@@ -44,7 +44,8 @@ def step_timer(model):
     variable would need a replica-aware aggregation)."""
     if getattr(model, "jit_compile", False) or tf.distribute.has_strategy() or getattr(model, "_distribute_strategy", None) is not None:
         return None
-    total = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="geosam_step_timer")
+    with tf.init_scope():  # eager even when asked during a trace
+        total = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="geosam_step_timer")
 
     def timed(fn):
         def run(*args, **kwargs):

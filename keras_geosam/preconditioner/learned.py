@@ -46,11 +46,16 @@ class RefreshClock:
     def in_step(self, model, fn):
         """`fn` timed inside the compiled step of `model` where the backend
         has a device clock (``backend.step_timer``), else None."""
+        self.prepare(model)
+        timed = self._device[1]
+        return None if timed is None else timed(fn)
+
+    def prepare(self, model):
+        """Makes `model`'s device clock now, before its step is traced (a
+        variable made while tracing would make TensorFlow trace twice)."""
         if self._device is None or self._device[0] is not model:
             timer = backend.step_timer(model)
             self._device = (model,) + (timer if timer is not None else (None, None))
-        timed = self._device[1]
-        return None if timed is None else timed(fn)
 
     @property
     def exact_in_step(self):
@@ -209,6 +214,8 @@ class LearnedPreconditioner:
         # dtype "int", as Keras' own `iterations`: int64 where the backend
         # has it, int32 on JAX without x64 (no truncation warning).
         self.refreshes = optimizer.add_variable((), initializer="zeros", dtype="int", name="refreshes")
+        if model is not None and self.refresh_source == "step" and not backend.eager_steps:
+            self.clock.prepare(model)
 
     def operator(self):
         """U now, as a :class:`~keras_geosam.curvature.BlockDiagonal`."""
