@@ -105,7 +105,7 @@ SIZES = {
         lm=dict(modules=16, chars_per_module=12000, T=64, d=64, heads=4, blocks=2, ff=128,
                 batch=32, epochs=2, seeds=3, refresh_every=40, refresh_steps=20, lr=3e-3),
         vit=dict(n_train=2048, n_test=512, image=16, patch=4, d=32, heads=2, blocks=1, ff=64,
-                 batch=64, epochs=3, seeds=2, refresh_every=32, refresh_steps=20, lr=3e-3),
+                 batch=64, epochs=6, seeds=2, refresh_every=32, refresh_steps=20, lr=3e-3),
     ),
     "full": dict(
         lm=dict(modules=len(MODULES), chars_per_module=None, T=128, d=256, heads=8, blocks=4,

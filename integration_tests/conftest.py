@@ -4,7 +4,9 @@ Run once per backend, each in its own process:
 
     KERAS_BACKEND=jax|tensorflow|torch python -m pytest integration_tests -q
 
-The whole suite is sized for ~3 minutes per backend on 2 CPU cores. Each test
+The whole suite is sized for ~3 minutes per backend on 2 CPU cores (the
+guides' small modes, minutes each, only with KERAS_GEOSAM_SMALL_GUIDES=1).
+Each test
 records what it measured (accuracy, seconds) with the ``report`` fixture; the
 lines are printed in pytest's terminal summary, so they show without ``-s``.
 """
@@ -24,8 +26,34 @@ import pytest  # noqa: E402
 _REPORT = []
 
 
+# The guides' default (small) modes take minutes each per backend; CI runs
+# the guides in their smoke modes (tests/test_guide_*.py) and these only
+# when asked: KERAS_GEOSAM_SMALL_GUIDES=1 bash scripts/test.sh
+SMALL_GUIDES = os.environ.get("KERAS_GEOSAM_SMALL_GUIDES", "") not in ("", "0")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "small_guide: runs a guide in its small mode (KERAS_GEOSAM_SMALL_GUIDES=1)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if SMALL_GUIDES:
+        return
+    skip = pytest.mark.skip(reason="a guide's small mode: set KERAS_GEOSAM_SMALL_GUIDES=1 to run it")
+    for item in items:
+        if item.get_closest_marker("small_guide"):
+            item.add_marker(skip)
+
+
 def pytest_report_header(config):
     return f"keras {keras.__version__}, backend {keras.backend.backend()}"
+
+
+def pytest_runtest_logreport(report):
+    # Measurements travel as user_properties, so they reach the summary
+    # from pytest-xdist's worker processes too.
+    if report.when == "call":
+        _REPORT.extend(value for key, value in report.user_properties if key == "measurement")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -42,7 +70,7 @@ def report(request):
     def add(text):
         line = f"[{keras.backend.backend()}] {request.node.name}: {text}"
         print(line)
-        _REPORT.append(line)
+        request.node.user_properties.append(("measurement", line))
 
     return add
 

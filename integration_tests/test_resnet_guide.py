@@ -7,11 +7,13 @@ import os
 import time
 
 import keras
+import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GUIDE = os.path.join(HERE, os.pardir, "guides", "llqr_sam_resnet.py")
 
 
+@pytest.mark.small_guide
 def test_small_mode_end_to_end(tmp_path, report):
     spec = importlib.util.spec_from_file_location("llqr_sam_resnet_small", GUIDE)
     guide = importlib.util.module_from_spec(spec)

@@ -1,5 +1,6 @@
 """The guide "Does sharpness predict generalisation?" in its default small
-mode (12 runs on digits; about 1-2 minutes on 2 CPU cores), as CI runs it.
+mode (12 runs on digits; about 1-2 minutes on 2 CPU cores); only with
+KERAS_GEOSAM_SMALL_GUIDES=1 (CI runs its smoke mode in tests/test_study.py).
 
 It checks that the study completes and reports, not what the numbers say:
 the guide exists to measure the claim, not to assume it.
@@ -10,10 +11,13 @@ import json
 import os
 import time
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 GUIDE = os.path.join(HERE, os.pardir, "guides", "sharpness_generalisation.py")
 
 
+@pytest.mark.small_guide
 def test_small_mode_end_to_end(tmp_path, report, monkeypatch):
     monkeypatch.delenv("KERAS_GEOSAM_GUIDE_MODE", raising=False)  # the small mode, whatever CI sets
     spec = importlib.util.spec_from_file_location("sharpness_generalisation_guide", GUIDE)

@@ -8,11 +8,13 @@ import os
 import time
 
 import keras
+import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GUIDE = os.path.join(HERE, os.pardir, "guides", "llqr_sam_transformer.py")
 
 
+@pytest.mark.small_guide
 def test_small_mode_end_to_end(tmp_path, report):
     spec = importlib.util.spec_from_file_location("llqr_sam_transformer_small", GUIDE)
     guide = importlib.util.module_from_spec(spec)
@@ -39,7 +41,9 @@ def test_small_mode_end_to_end(tmp_path, report):
     # the language model learned: well below a uniform guess over the vocabulary
     for entry in lm["optimizers"].values():
         assert all(r["val_perplexity"] < vocab / 4 for r in entry["runs"])
-    # the stripes are learnable: above chance (1/8) for the ViT
+    # the stripes are learnable: AdamW well above chance (1/8), every
+    # optimizer above it (SAM's perturbation slows this early phase)
+    assert vit["optimizers"]["AdamW"]["val_accuracy"]["mean"] > 0.5
     for entry in vit["optimizers"].values():
         assert entry["val_accuracy"]["mean"] > 1.5 / vit["num_classes"]
     table = ", ".join(f"{name} {guide.fmt(e['val_perplexity'])}" for name, e in lm["optimizers"].items())

@@ -21,6 +21,11 @@
 #   SKIP_INSTALL  1: do not refresh the editable install of an existing venv
 #   BACKENDS      space-separated subset of "tensorflow jax torch"
 #   PYTEST_ARGS   extra arguments for every pytest run (split like shell words, quotes honoured)
+#   WORKERS       pytest-xdist worker processes per run (default auto: one per core;
+#                 0 runs in the pytest process itself). Files are not split between
+#                 workers (--dist loadfile): module fixtures are built once.
+#   KERAS_GEOSAM_SMALL_GUIDES  1: integration_tests also run the guides' small modes
+#                 (minutes each per backend; CI runs the guides' smoke modes only)
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,6 +36,7 @@ PYTHON="${PYTHON:-python3}"
 TORCH_REQ="${TORCH_REQ:-torch==2.13.0}"
 SKIP_INSTALL="${SKIP_INSTALL:-0}"
 BACKENDS="${BACKENDS:-tensorflow jax torch}"
+WORKERS="${WORKERS:-auto}"
 # Split PYTEST_ARGS like a shell would (quotes honoured, nothing executed):
 # PYTEST_ARGS='-k "not slow" -x'
 PYTEST_EXTRA=()
@@ -102,7 +108,9 @@ FAILED=0
 run_pytest() {  # run_pytest BACKEND DIR -> sets LAST_RC
     local backend=$1 dir=$2
     stage_start "$dir [KERAS_BACKEND=$backend]"
-    KERAS_BACKEND="$backend" "$PY" -m pytest "$dir" -q "${PYTEST_EXTRA[@]}"
+    local parallel=()
+    [[ "$WORKERS" != 0 ]] && parallel=(-n "$WORKERS" --dist loadfile)
+    KERAS_BACKEND="$backend" "$PY" -m pytest "$dir" -q "${parallel[@]}" "${PYTEST_EXTRA[@]}"
     LAST_RC=$?
     stage_end "$dir [$backend] exit $LAST_RC"
 }
