@@ -15,9 +15,10 @@ Per backend, on MLPs 784-w-w-10 (ReLU, batch 128, random data):
   compiled, after a warm-up refresh);
 - the amortised LLQRSAM step at ``refresh_every=1000``:
   ``t_step + t_refresh / 1000``, and its ratio to the SGD step;
-- the growth of LLQRSAM's overhead over SGD (amortised, diagonal) with the
-  parameter count P across the widths: the exponent k of a least-squares fit
-  ``overhead ~ P^k`` in log-log;
+- the growth of LLQRSAM's overhead over SGD (amortised step - SGD step)
+  with the parameter count P across the widths: the exponent k of a
+  least-squares fit ``overhead ~ P^k`` in log-log and its 95% interval
+  (``fit_power_law``, which ``sam_step.py --vit-widths`` uses too);
 - ``--refresh-goals``: one refresh of U measured in SGD steps of the same
   model and batch, against the goals: the MLP 784-512-512-10 at batch 256
   (diagonal <= 60, K-FAC <= 120) and a small BatchNorm ResNet on 32x32x3
@@ -100,15 +101,30 @@ def measure(width, repeats, refresh_repeats):
     return row
 
 
-def fit_exponent(rows, key):
+def fit_power_law(P, overhead, confidence=0.95):
+    """``overhead ~ P^k``: least squares of log(overhead) on log(P) over the
+    points with a positive overhead. Returns ``{"k", "lo", "hi", "stderr",
+    "r2", "n"}``: the slope, its `confidence` interval k +- t(n-2) stderr
+    (``scipy.stats.linregress``'s stderr, Student t quantile; nan below 3
+    points), r^2 and the number of points used."""
     import numpy as np
+    from scipy import stats
 
-    P = np.array([r["params"] for r in rows], float)
-    over = np.array([r[key] - r["sgd_step_ms"] for r in rows], float)
+    P, over = np.asarray(P, float), np.asarray(overhead, float)
     ok = over > 0
-    if ok.sum() < 2:
-        return float("nan")
-    return float(np.polyfit(np.log(P[ok]), np.log(over[ok]), 1)[0])
+    n = int(ok.sum())
+    nan = float("nan")
+    if n < 2:
+        return {"k": nan, "lo": nan, "hi": nan, "stderr": nan, "r2": nan, "n": n}
+    fit = stats.linregress(np.log(P[ok]), np.log(over[ok]))
+    half = float(stats.t.ppf(0.5 + confidence / 2, n - 2) * fit.stderr) if n > 2 else nan
+    return {"k": float(fit.slope), "lo": float(fit.slope) - half, "hi": float(fit.slope) + half,
+            "stderr": float(fit.stderr) if n > 2 else nan, "r2": float(fit.rvalue ** 2), "n": n}
+
+
+def fit_exponent(rows, key):
+    """The power law of ``rows[key] - sgd_step_ms`` in the parameter count."""
+    return fit_power_law([r["params"] for r in rows], [r[key] - r["sgd_step_ms"] for r in rows])
 
 
 def run_backend(quick):
@@ -141,10 +157,11 @@ def table(results):
                 f"{r['llqrsam_diagonal_refresh_s']:.3f} | {r['llqrsam_kfac_refresh_s']:.3f} |"
             )
     lines.append("")
-    lines.append("| backend | overhead exponent (diag) | overhead exponent (K-FAC) |")
+    lines.append("| backend | overhead exponent (diag) [95% interval] | overhead exponent (K-FAC) [95% interval] |")
     lines.append("|---|---|---|")
+    show = lambda f: f"{f['k']:.2f} [{f['lo']:.2f}, {f['hi']:.2f}]"  # noqa: E731
     for res in results:
-        lines.append(f"| {res['backend']} | {res['exponent_diagonal']:.2f} | {res['exponent_kfac']:.2f} |")
+        lines.append(f"| {res['backend']} | {show(res['exponent_diagonal'])} | {show(res['exponent_kfac'])} |")
     return "\n".join(lines)
 
 

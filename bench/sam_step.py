@@ -17,6 +17,20 @@ Flatten, Dense 10) and each batch size (``--batches``, default 64,256,1024),
 random data, identical initial weights, everything interleaved epoch by
 epoch in one process (a "runner" = one epoch over the same batches):
 
+- attention models, only when named (``--models transformer,vit``; default
+  batch 32), functional ``kg.Model``\s: ``transformer``: 4 blocks, d=128, 4
+  heads (key_dim 32), 64 random tokens of a 512-word vocabulary, token
+  Embedding + a learned position Embedding; per block MultiHeadAttention +
+  residual + LayerNormalization + feed-forward (Dense 4d gelu, Dense d) +
+  residual + LayerNormalization; GlobalAveragePooling1D, Dense 10 (one label
+  per sequence). ``vit``: the same blocks (d=64) on 32x32x3 images cut into
+  64 patches by Conv2D(d, 4, strides=4) and a Reshape, with a learned
+  position Embedding. No peers for them. ``--vit-widths 32,64,128,256``
+  runs the ViT at those widths (``vit_d<d>``) and fits LLQR+SAM's amortised
+  overhead over SGD (step - SGD step) as ~ P^k (``llqr.fit_power_law``);
+- the first step's compilation per runner: the warm-up epoch less the
+  median timed epoch;
+
 - ours through ``kg.Sequential.fit``: ``keras.optimizers.SGD(0.05,
   momentum=0.9)`` (the baseline of every ratio) and SAM (rho 0.05), ASAM
   (rho 0.5), F-SAM, Fisher-SAM (rho 0.05) and LLQR+SAM (rho 0.05; diagonal
@@ -67,9 +81,16 @@ import time
 import warnings
 
 from _backends import run_each_backend  # noqa: E402  (bench/ is the script's own folder)
-MODELS = ("mlp", "cnn")
+MODELS = ("mlp", "cnn")  # the default --models
+# Attention models: run only when named in --models (or --vit-widths); peers skipped.
+ATTENTION_MODELS = ("transformer", "vit")
+SEQ_LEN, VOCAB, CLASSES = 64, 512, 10  # transformer: tokens per sequence, vocabulary
+IMAGE, PATCH = 32, 4  # vit: 32x32x3 images, 4x4 patches (64 of them)
+DEPTH, HEADS = 4, 4  # both: blocks, attention heads (key_dim = d / heads)
+WIDTH = {"transformer": 128, "vit": 64}  # d; "vit_d<d>" names another width (--vit-widths)
 DEFAULT_BATCHES = "64,256,1024"
 QUICK_BATCHES = "64"
+ATTENTION_BATCHES = "32"  # the attention models' default batch (with or without --quick)
 LR, MOMENTUM, RHO = 0.05, 0.9, 0.05
 ASAM_RHO = 0.5  # the reference's suggested ASAM radius (CIFAR-10)
 REFRESH_EVERY = 1000  # for the amortised LLQR+SAM step
@@ -80,6 +101,12 @@ SAM_GOAL = 1.95  # SAM step <= 1.95x the Keras SGD step (same model, batch, back
 OPTAX_GOAL = 1.05  # JAX: our SAM step <= 1.05x optax.contrib.sam's
 LLQR_DIAG_GOAL = 2.05  # LLQR+SAM diagonal, amortised at refresh_every=1000, <= 2.05x SGD
 KFAC_FLOOR_GOAL = 1.1  # LLQR+SAM K-FAC step <= 1.1x its FLOP floor (SAM step + U products at the gradient's rate)
+# Goals for the attention models (issue "Bench rows"): SAM and LLQR+SAM
+# diagonal against SGD, the first step's compilation, the growth exponent of
+# LLQR+SAM's overhead over SGD in the parameter count (ViT widths).
+ATTENTION_SAM_GOAL, ATTENTION_LLQR_DIAG_GOAL = 2.1, 2.2
+COMPILE_GOAL_S = 60.0  # first fit epoch - median epoch, per method, CPU
+EXPONENT_GOAL = 1.1  # overhead ~ P^k, k <= 1.1 (the paper: ~1.27)
 METHODS = ("sam", "asam", "fsam", "fishersam", "llqr_diag", "llqr_kfac")
 LABELS = {
     "sgd": "SGD", "sam": "SAM", "asam": "ASAM", "fsam": "F-SAM", "fishersam": "Fisher-SAM",
@@ -93,30 +120,51 @@ def settings(args):
     """Steps per epoch per (model, batch): an epoch of about `examples`
     examples, at least `min_steps` steps; `rounds` timed epochs per runner."""
     batches = [int(b) for b in (args.batches or (QUICK_BATCHES if args.quick else DEFAULT_BATCHES)).split(",")]
-    models = [m for m in (args.models or ",".join(MODELS)).split(",")]
+    models = [m for m in (args.models or ("" if args.vit_widths else ",".join(MODELS))).split(",") if m]
+    models += [f"vit_d{int(w)}" for w in (args.vit_widths or "").split(",") if w]
     for m in models:
-        if m not in MODELS:
-            raise SystemExit(f"unknown model {m!r}; choose from {MODELS}")
+        try:
+            model_kind(m)
+        except ValueError:
+            raise SystemExit(f"unknown model {m!r}; choose from {MODELS + ATTENTION_MODELS} or vit_d<width>") from None
     methods = [m for m in (args.methods or ",".join(METHODS)).split(",")]
     for m in methods:
         if m not in METHODS:
             raise SystemExit(f"unknown method {m!r}; choose from {METHODS}")
     if args.quick:
-        cfg = dict(examples={"mlp": 0, "cnn": 0}, min_steps={"mlp": 10, "cnn": 4}, rounds=3,
+        cfg = dict(examples={"mlp": 0, "cnn": 0, "transformer": 0, "vit": 0},
+                   min_steps={"mlp": 10, "cnn": 4, "transformer": 3, "vit": 3}, rounds=3,
                    refresh_steps=2, refresh_repeats=1, eq_models=["mlp"])
     else:
-        cfg = dict(examples={"mlp": 10240, "cnn": 2560}, min_steps={"mlp": 10, "cnn": 4}, rounds=9,
+        cfg = dict(examples={"mlp": 10240, "cnn": 2560, "transformer": 256, "vit": 256},
+                   min_steps={"mlp": 10, "cnn": 4, "transformer": 4, "vit": 4}, rounds=9,
                    refresh_steps=50, refresh_repeats=3, eq_models=list(MODELS))
-    if args.rounds:
-        cfg["rounds"] = args.rounds
+    for key in ("rounds", "refresh_steps", "refresh_repeats"):
+        if getattr(args, key):
+            cfg[key] = getattr(args, key)
+    attention_batches = [int(b) for b in (args.batches or ATTENTION_BATCHES).split(",")]
     cfg.update(batches=batches, models=models, methods=methods, llqr_source=args.llqr_source,
                torch_compile=args.torch_compile,
+               batches_for={m: attention_batches if model_kind(m)[0] in ATTENTION_MODELS else batches for m in models},
                eq_models=[m for m in cfg["eq_models"] if m in models])
     return cfg
 
 
+def model_kind(name):
+    """``(kind, width)``: "mlp"/"cnn" -> (name, None); "transformer"/"vit"
+    -> their default d; "vit_d<d>" -> ("vit", d)."""
+    if name in MODELS:
+        return name, None
+    if name in ATTENTION_MODELS:
+        return name, WIDTH[name]
+    if name.startswith("vit_d") and name[5:].isdigit() and int(name[5:]) % HEADS == 0:
+        return "vit", int(name[5:])
+    raise ValueError(name)
+
+
 def steps_for(cfg, name, batch):
-    return max(cfg["min_steps"][name], cfg["examples"][name] // batch)
+    kind = model_kind(name)[0]
+    return max(cfg["min_steps"][kind], cfg["examples"][kind] // batch)
 
 
 def log(msg):
@@ -141,6 +189,38 @@ def layers_for(keras, name):
         keras.layers.Flatten(),
         keras.layers.Dense(10),
     ]
+
+
+def attention_graph(keras, name):
+    """``(inputs, outputs)`` of the Transformer or ViT classifier (module doc):
+    tokens (or patches) + a learned position embedding (an Embedding over
+    the positions), DEPTH post-norm blocks of MultiHeadAttention + residual
+    + LayerNormalization + feed-forward (Dense 4d gelu, Dense d) + residual
+    + LayerNormalization, then GlobalAveragePooling1D and Dense(CLASSES)."""
+    L = keras.layers
+    kind, d = model_kind(name)
+    if kind == "transformer":
+        inputs = keras.Input((SEQ_LEN,), dtype="int32")
+        h = L.Embedding(VOCAB, d, name="tokens")(inputs)
+        positions = SEQ_LEN
+    else:
+        inputs = keras.Input((IMAGE, IMAGE, 3))
+        h = L.Conv2D(d, PATCH, strides=PATCH, name="patches")(inputs)
+        positions = (IMAGE // PATCH) ** 2
+        h = L.Reshape((positions, d))(h)
+    # Position ids 0..T-1 per example, as a tensor of the graph, so the
+    # position Embedding is a layer of the model (trained, with its own rule).
+    ids = L.Lambda(lambda t: keras.ops.zeros((keras.ops.shape(t)[0], positions), "int32")
+                   + keras.ops.arange(positions, dtype="int32"), output_shape=(positions,), name="position_ids")(h)
+    h = L.Add()([h, L.Embedding(positions, d, name="position_embedding")(ids)])
+    for i in range(DEPTH):
+        a = L.MultiHeadAttention(HEADS, d // HEADS, name=f"attention_{i}")(h, h)
+        h = L.LayerNormalization(name=f"norm_{i}a")(L.Add()([h, a]))
+        f = L.Dense(4 * d, activation="gelu", name=f"ff_{i}a")(h)
+        f = L.Dense(d, name=f"ff_{i}b")(f)
+        h = L.LayerNormalization(name=f"norm_{i}b")(L.Add()([h, f]))
+    outputs = L.Dense(CLASSES, name="head")(L.GlobalAveragePooling1D()(h))
+    return inputs, outputs
 
 
 def make_optimizer(keras, kg, variant, cfg):
@@ -168,8 +248,18 @@ def make_optimizer(keras, kg, variant, cfg):
     raise ValueError(variant)
 
 
+def keras_model(keras, name, model_cls, label=None):
+    """The model `name`: ``model_cls.Sequential(layers)`` for mlp/cnn,
+    ``model_cls.Model(inputs, outputs)`` (functional) for transformer/vit;
+    `model_cls` is ``keras`` or ``keras_geosam``."""
+    kw = {} if label is None else {"name": label}
+    if model_kind(name)[0] in MODELS:
+        return model_cls.Sequential(layers_for(keras, name), **kw)
+    return model_cls.Model(*attention_graph(keras, name), **kw)
+
+
 def build_model(keras, kg, name, variant, weights, cfg):
-    model = kg.Sequential(layers_for(keras, name), name=f"{name}_{variant}")
+    model = keras_model(keras, name, kg, label=f"{name}_{variant}")
     model.compile(
         optimizer=make_optimizer(keras, kg, variant, cfg),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -181,14 +271,20 @@ def build_model(keras, kg, name, variant, weights, cfg):
 
 def initial_weights(keras, name):
     keras.utils.set_random_seed(0)
-    return keras.Sequential(layers_for(keras, name)).get_weights()
+    return keras_model(keras, name, keras).get_weights()
 
 
 def make_data(np, name, n):
-    rng = np.random.default_rng(1 if name == "mlp" else 2)
-    shape = (n, 784) if name == "mlp" else (n, 28, 28, 1)
-    x = rng.standard_normal(shape).astype("float32")
-    y = rng.integers(0, 10, size=n).astype("int32")
+    """Random inputs and labels (10 classes; the transformer: random tokens,
+    one label per sequence)."""
+    kind = model_kind(name)[0]
+    rng = np.random.default_rng({"mlp": 1, "cnn": 2, "transformer": 3, "vit": 4}[kind])
+    if kind == "transformer":
+        x = rng.integers(0, VOCAB, size=(n, SEQ_LEN)).astype("int32")
+    else:
+        shape = {"mlp": (n, 784), "cnn": (n, 28, 28, 1), "vit": (n, IMAGE, IMAGE, 3)}[kind]
+        x = rng.standard_normal(shape).astype("float32")
+    y = rng.integers(0, CLASSES, size=n).astype("int32")
     return x, y
 
 
@@ -252,28 +348,84 @@ def time_refresh(keras, model, x, y, repeats):
     return first, statistics.median(once() for _ in range(repeats))
 
 
-def kfac_flops(np, model, batch):
-    """``(U FLOPs per step, gradient FLOPs per batch)`` of a Dense/Conv model.
-
-    K-FAC's U acts on a kernel with matrix view X (m x n) as A X B^T:
-    2 (m^2 n + m n^2) FLOPs, applied twice per step (perturbation and
-    descent); bias blocks are diagonal (negligible). A gradient costs the
-    forward, kernel-gradient and input-gradient matmuls, 2 B P m n each (P:
-    a convolution's output positions, channels last; 1 for Dense), except
-    the first kernel layer's input gradient, which is never computed.
-    """
-    u = grad = 0
-    first = True
-    for layer in model.layers:
-        kernel = getattr(layer, "kernel", None)
-        if kernel is None:
+def u_flops(np, layout):
+    """FLOPs of one application of U from its layout ``[(block class,
+    shape, split)]`` (``optimizer.preconditioner.layout``), matrix view
+    (m, n) = (prod(shape[:split]), prod(shape[split:])): a KFAC block
+    A X B^T costs 2 (m^2 n + m n^2), an EKFAC block twice that (two basis
+    changes each way), a DiagonalInputKFAC block (Embedding) diag(a) X B^T
+    2 m n^2 and a DiagonalInputEKFAC (s * (X Q_G)) Q_G^T 4 m n^2; diagonal
+    blocks are elementwise (not counted)."""
+    total = 0
+    for cls, shape, split in layout:
+        if split is None:
             continue
-        shape = tuple(int(s) for s in kernel.shape)
-        m, n = int(np.prod(shape[:-1])), shape[-1]
-        positions = int(np.prod([int(s) for s in layer.output.shape[1:-1]]))
-        u += 2 * 2 * (m * m * n + m * n * n)
-        grad += (2 if first else 3) * 2 * batch * positions * m * n
-        first = False
+        m, n = int(np.prod(shape[:split])), int(np.prod(shape[split:]))
+        name = cls.__name__
+        if name.startswith("DiagonalInput"):
+            total += (2 if name.endswith("EKFAC") else 1) * 2 * m * n * n
+        else:
+            total += (2 if name == "EKFAC" else 1) * 2 * (m * m * n + m * n * n)
+    return total
+
+
+def kernel_positions(np, model, layout_by_path):
+    """``{kernel path: positions}``: how many positions per example a
+    kernel's matmul runs at, from its top-level layer's output shape. A
+    layer's own kernel with view (m, n): output elements per example / n
+    (Conv: the output pixels; Dense or EinsumDense on a sequence: its length;
+    1 on a vector); a kernel of a nested layer: the output's positions
+    (MultiHeadAttention, self-attention: every projection at the query's
+    positions)."""
+    out = {}
+    for layer in model.layers:
+        try:
+            shape = [int(s) for s in layer.output.shape[1:]]
+        except (AttributeError, ValueError, TypeError):
+            continue
+        for v in layer.trainable_variables:
+            cls, vshape, split = layout_by_path.get(v.path, (None, None, None))
+            if split is None:
+                continue
+            if v is getattr(layer, "kernel", None):
+                out[v.path] = int(np.prod(shape)) // int(np.prod(vshape[split:]))
+            else:
+                out[v.path] = int(np.prod(shape[:-1]))
+    return out
+
+
+def kfac_flops(np, model, batch):
+    """``(U FLOPs per step, gradient FLOPs per batch)`` of a model trained
+    with a K-FAC LLQR+SAM: an estimate.
+
+    U: :func:`u_flops` of the optimizer's layout, applied twice per step
+    (perturbation and descent). A gradient: per kernel with a K-FAC view
+    (m, n) applied at P positions per example (:func:`kernel_positions`),
+    the forward, kernel-gradient and input-gradient matmuls, 2 B P m n
+    each, except the input gradient of a kernel that is the model's first
+    trainable tensor (its input is the data); an Embedding is a gather (no
+    matmul). Per MultiHeadAttention layer, the score and value matmuls,
+    QK^T and AV, each 2 B H T^2 d_head forward and two such products
+    backward (both operands are activations): 6 B H T^2 (d_key + d_value).
+    Softmax, normalisation, activations and biases are not counted.
+    """
+    import keras
+
+    P = model.optimizer.preconditioner
+    by_path = dict(zip(P.paths, P.layout))
+    u = 2 * u_flops(np, P.layout)
+    positions = kernel_positions(np, model, by_path)
+    first_path = model.trainable_variables[0].path
+    grad = 0
+    for path, (cls, shape, split) in by_path.items():
+        if split is None or cls.__name__.startswith("DiagonalInput"):
+            continue
+        m, n = int(np.prod(shape[:split])), int(np.prod(shape[split:]))
+        grad += (2 if path == first_path else 3) * 2 * batch * positions[path] * m * n
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.MultiHeadAttention):
+            t = int(np.prod(layer.output.shape[1:-1]))
+            grad += 6 * batch * layer._num_heads * t * t * (layer._key_dim + layer._value_dim)
     return u, grad
 
 
@@ -329,7 +481,7 @@ def run_backend(args):
 
     for name in cfg["models"]:
         w0 = initial_weights(keras, name)
-        for batch in cfg["batches"]:
+        for batch in cfg["batches_for"][name]:
             result["cells"].append(measure_cell(keras, kg, np, b, name, batch, w0, cfg, timer_cls))
         if name in cfg["eq_models"]:
             if b == "jax":
@@ -357,7 +509,9 @@ def measure_cell(keras, kg, np, b, name, batch, w0, cfg, timer_cls):
         runners[v]()
         first[v] = time.perf_counter() - t0
     peer = None
-    if b == "jax":
+    if name not in MODELS:
+        pass  # attention models: no peer (not written as pure JAX / torch.nn)
+    elif b == "jax":
         peer = jax_runners(keras, kg, np, name, w0, x, y, batch, steps, models, cfg)
     elif b == "torch":
         peer = torch_runners(keras, kg, np, name, w0, x, y, batch, steps, cfg)
@@ -385,11 +539,15 @@ def measure_cell(keras, kg, np, b, name, batch, w0, cfg, timer_cls):
             "step_max_s": max(wall[k]),
             "cpu_step_s": statistics.median(cpu[k]),
             "warmup_s": first[k],
+            # The first step's compilation (and the first epoch's one-off
+            # work): the warm-up epoch less the median timed epoch.
+            "compile_s": first[k] - statistics.median(wall[k]) * steps,
             "final_loss": losses[k],
         }
         if k in models:
             rows[k]["jit_compile"] = bool(models[k].jit_compile)
-    cell = {"model": name, "batch": batch, "steps": steps, "num_params": int(models["sgd"].count_params()),
+    cell = {"model": name, "width": model_kind(name)[1], "batch": batch, "steps": steps,
+            "num_params": int(models["sgd"].count_params()),
             "runners": rows, "refresh": {}}
     if peer:
         cell["peer"] = peer["label"]
@@ -915,7 +1073,7 @@ def main_table(results, cpu=False):
                 cells += [fmt(q[k + s]) for k in ("peer_sam_over_sgd", "sam_over_peer_sam", "raw_sam_over_peer_sam",
                                                   "sgd_over_peer_sgd", "raw_sgd_over_peer_sgd")]
             else:
-                cells += ["none"] + ["-"] * 6
+                cells += ["none" if c["model"] in MODELS else "skipped"] + ["-"] * 6
             lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -928,7 +1086,7 @@ def markdown(results):
     lines += main_table(results, cpu=True)
     lines.append("")
     steps = "; ".join(
-        f"{m} " + ", ".join(f"b{b}: {steps_for(cfg, m, b)}" for b in cfg["batches"]) for m in cfg["models"]
+        f"{m} " + ", ".join(f"b{b}: {steps_for(cfg, m, b)}" for b in cfg["batches_for"][m]) for m in cfg["models"]
     )
     src = ("`refresh_source=\"callback\"` (no refresh branch in the step)" if cfg["llqr_source"] == "callback"
            else "`refresh_source=\"step\"`, `refresh_every` beyond the run (the refresh branch stays in the step; only step 0, in the warm-up epoch, refreshes)")
@@ -962,10 +1120,11 @@ def markdown(results):
                     f"{c['runners'][v]['step_s'] * 1e3:.2f} | {ref['amortised_step_s'] * 1e3:.2f} | {ref['refreshes_in_timed_steps']} |"
                 )
     lines.append("")
-    lines.append("Spread (wall ms per step over the timed epochs: median, min, max; CPU ms: median; warm-up = compilation + 1 epoch; final training loss):")
+    lines.append("Spread (wall ms per step over the timed epochs: median, min, max; CPU ms: median; warm-up = compilation + 1 epoch; "
+                 "compile = warm-up less the median timed epoch; final training loss):")
     lines.append("")
-    lines.append("| backend | model | batch | runner | median | min | max | CPU ms | warm-up s | final loss |")
-    lines.append("|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    lines.append("| backend | model | batch | runner | median | min | max | CPU ms | warm-up s | compile s | final loss |")
+    lines.append("|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for res in results:
         for c in res["cells"]:
             for k, r in c["runners"].items():
@@ -973,7 +1132,7 @@ def markdown(results):
                 lines.append(
                     f"| {res['backend']} | {c['model']} | {c['batch']} | {label} | {r['step_s'] * 1e3:.2f} | "
                     f"{r['step_min_s'] * 1e3:.2f} | {r['step_max_s'] * 1e3:.2f} | {r['cpu_step_s'] * 1e3:.2f} | "
-                    f"{r['warmup_s']:.2f} | {r['final_loss']:.4g} |"
+                    f"{r['warmup_s']:.2f} | {r['compile_s']:.2f} | {r['final_loss']:.4g} |"
                 )
     eq_lines = []
     for res in results:
@@ -998,16 +1157,21 @@ def markdown(results):
             "takes the other branch in one run, and the trajectories separate); the JAX float64 gap shows both compute the "
             "same update. torch: float32 only (Keras 3.15 computes a float64 model's matmuls in float32 on torch)"
         )
-    lines += ["", f"Goals (wall; CPU time in brackets): SAM/SGD <= {SAM_GOAL:g}; LLQR+SAM diagonal amortised at "
-              f"refresh_every={REFRESH_EVERY} <= {LLQR_DIAG_GOAL:g}; JAX SAM/optax.contrib.sam <= {OPTAX_GOAL:g}; "
+    lines += ["", f"Goals (wall; CPU time in brackets): SAM/SGD <= {SAM_GOAL:g} (transformer, vit: {ATTENTION_SAM_GOAL:g}); "
+              f"LLQR+SAM diagonal amortised at refresh_every={REFRESH_EVERY} <= {LLQR_DIAG_GOAL:g} (transformer, vit: "
+              f"{ATTENTION_LLQR_DIAG_GOAL:g}); JAX SAM/optax.contrib.sam <= {OPTAX_GOAL:g}; "
               f"LLQR+SAM K-FAC step / its FLOP floor <= {KFAC_FLOOR_GOAL:g} (floor: the SAM step plus both U products "
-              "at the gradient's FLOP rate, both measured here; U FLOPs 2 x 2(m^2 n + m n^2) per kernel, gradient "
-              "2 B P m n per matmul: forward, kernel and input gradients, without the first layer's input gradient; "
+              "at the gradient's FLOP rate, both measured here; U FLOPs from U's layout: 2 x 2(m^2 n + m n^2) per K-FAC "
+              "block, 2 x 2 m n^2 per Embedding block (diag(a) X B^T); gradient 2 B P m n per kernel matmul at its P "
+              "positions: forward, kernel and input gradients, without the first layer's input gradient, plus attention's "
+              "score and value matmuls, 6 B H T^2 (d_key + d_value) per layer; an estimate; "
               "rate: the U product's achieved FLOP rate over the gradient's, each timed alone through backend.compile). "
-              "The floor is a reference, not a lower bound: the U GEMMs can run faster than the batch's matmuls.", ""]
+              "The floor is a reference, not a lower bound: the U GEMMs can run faster than the batch's matmuls. "
+              f"First-step compile (the slowest method's; transformer, vit) < {COMPILE_GOAL_S:g} s.", ""]
     lines.append("| backend | model | batch | SAM/SGD | LLQR diag amort./SGD | SAM/optax SAM (fit) | SAM/optax SAM (train_step) "
-                 "| LLQR K-FAC amort./SGD | U GFLOP/step | grad GFLOP | U rate/grad rate | K-FAC/floor | K-FAC amort./floor |")
-    lines.append("|---|---|---:|---|---|---|---|---|---:|---:|---:|---|---|")
+                 "| LLQR K-FAC amort./SGD | U GFLOP/step | grad GFLOP | U rate/grad rate | K-FAC/floor | K-FAC amort./floor "
+                 "| compile s: SGD, SAM, diag, K-FAC |")
+    lines.append("|---|---|---:|---|---|---|---|---|---:|---:|---:|---|---|---|")
 
     def goal_cell(q, k, goal):
         if k not in q:
@@ -1018,8 +1182,10 @@ def markdown(results):
         for c in res["cells"]:
             q = c["ratios"]
             jax_peer = res["backend"] == "jax"
-            cells = [res["backend"], c["model"], str(c["batch"]), goal_cell(q, "sam", SAM_GOAL),
-                     goal_cell(q, "llqr_diag_amortised", LLQR_DIAG_GOAL),
+            attention = c["model"] not in MODELS
+            cells = [res["backend"], c["model"], str(c["batch"]),
+                     goal_cell(q, "sam", ATTENTION_SAM_GOAL if attention else SAM_GOAL),
+                     goal_cell(q, "llqr_diag_amortised", ATTENTION_LLQR_DIAG_GOAL if attention else LLQR_DIAG_GOAL),
                      goal_cell(q, "sam_over_peer_sam", OPTAX_GOAL) if jax_peer else "-",
                      goal_cell(q, "raw_sam_over_peer_sam", OPTAX_GOAL) if jax_peer else "-",
                      f"{q['llqr_kfac_amortised']:.2f} [{q['llqr_kfac_amortised_cpu']:.2f}]" if "llqr_kfac_amortised" in q else "-"]
@@ -1031,8 +1197,58 @@ def markdown(results):
                           if "llqr_kfac_amortised_over_floor" in q else "-"]
             else:
                 cells += ["-"] * 5
+            compile_s = [c["runners"][v]["compile_s"] for v in ("sgd", "sam", "llqr_diag", "llqr_kfac") if v in c["runners"]]
+            cells.append(", ".join(f"{t:.1f}" for t in compile_s)
+                         + (f" ({verdict(max(compile_s), COMPILE_GOAL_S)})" if attention else ""))
             lines.append("| " + " | ".join(cells) + " |")
+    lines += exponent_lines(results)
     return "\n".join(lines)
+
+
+def overhead_fits(res):
+    """Per structure and clock, the power law of LLQR+SAM's amortised
+    overhead over SGD in the parameter count across the ViT widths of one
+    backend (cells of kind "vit" at one batch, >= 3 widths): overhead =
+    amortised LLQR+SAM step - SGD step (bench/llqr.py's definition), fitted by
+    ``llqr.fit_power_law`` (least squares in log-log, t interval)."""
+    from llqr import fit_power_law
+
+    cells = [c for c in res["cells"] if model_kind(c["model"])[0] == "vit" and c["refresh"]]
+    out = []
+    for batch in sorted({c["batch"] for c in cells}):
+        row = sorted((c for c in cells if c["batch"] == batch), key=lambda c: c["num_params"])
+        if len({c["num_params"] for c in row}) < 3:
+            continue
+        for v in ("llqr_diag", "llqr_kfac"):
+            for key in ("step_s", "cpu_step_s"):
+                pts = [c for c in row if v in c["refresh"]]
+                P = [c["num_params"] for c in pts]
+                over = [c["runners"][v][key] + c["refresh"][v]["refresh_s"] / REFRESH_EVERY - c["runners"]["sgd"][key] for c in pts]
+                fit = fit_power_law(P, over)
+                out.append(dict(fit, batch=batch, method=v, clock="wall" if key == "step_s" else "cpu",
+                                points=[{"model": c["model"], "params": p, "overhead_ms": o * 1e3,
+                                         "ratio": (o + c["runners"]["sgd"][key]) / c["runners"]["sgd"][key]}
+                                        for c, p, o in zip(pts, P, over)]))
+    return out
+
+
+def exponent_lines(results):
+    rows = [(res["backend"], f) for res in results for f in overhead_fits(res)]
+    if not rows:
+        return []
+    lines = ["", f"Overhead of LLQR+SAM over SGD against the parameter count P (ViT, depth {DEPTH}, {HEADS} heads, "
+             f"patch {PATCH} on {IMAGE}x{IMAGE}x3, widths d): overhead = amortised LLQR+SAM step (refresh_every={REFRESH_EVERY}) "
+             "- SGD step, fitted as overhead ~ P^k by least squares on log-log (positive overheads), 95% interval = "
+             f"k +- t(0.975, n-2) x stderr (scipy.stats.linregress). Goal k <= {EXPONENT_GOAL:g} (the paper: ~1.27). "
+             "Per point: P, overhead ms (amortised / SGD).", ""]
+    lines.append("| backend | batch | U | clock | k | 95% interval | n | r^2 | points: P, overhead ms (ratio) |")
+    lines.append("|---|---:|---|---|---:|---|---:|---:|---|")
+    for b, f in rows:
+        pts = "; ".join(f"{p['params']}: {p['overhead_ms']:.1f} ({p['ratio']:.2f})" for p in f["points"])
+        lines.append(f"| {b} | {f['batch']} | {LLQR_STRUCTURE[f['method']]} | {f['clock']} | {fmt(f['k'])} "
+                     f"{verdict(f['k'], EXPONENT_GOAL) if f['k'] == f['k'] else ''} | [{fmt(f['lo'])}, {fmt(f['hi'])}] | "
+                     f"{f['n']} | {fmt(f['r2'], '.3f')} | {pts} |")
+    return lines
 
 
 def machine_line(results=None, load=None):
@@ -1072,7 +1288,7 @@ def child_args(args):
     for flag in ("quick", "omp_passive", "torch_compile"):
         if getattr(args, flag):
             out.append("--" + flag.replace("_", "-"))
-    for opt in ("batches", "models", "methods", "rounds", "llqr_source"):
+    for opt in ("batches", "models", "methods", "rounds", "llqr_source", "vit_widths", "refresh_steps", "refresh_repeats"):
         value = getattr(args, opt)
         if value is not None:
             out += ["--" + opt.replace("_", "-"), str(value)]
@@ -1099,7 +1315,13 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: batch 64 only (unless --batches), short epochs, 3 rounds, 2 inner refresh steps")
     ap.add_argument("--batches", help=f"comma-separated batch sizes (default {DEFAULT_BATCHES}; --quick: {QUICK_BATCHES})")
-    ap.add_argument("--models", help=f"comma-separated subset of {','.join(MODELS)} (default: both)")
+    ap.add_argument("--models", help=f"comma-separated subset of {','.join(MODELS + ATTENTION_MODELS)} or vit_d<width> "
+                                     f"(default: {','.join(MODELS)}; the attention models run only when named, "
+                                     f"at batch {ATTENTION_BATCHES} unless --batches)")
+    ap.add_argument("--vit-widths", help="comma-separated ViT widths d (e.g. 32,64,128,256): adds vit_d<d> to the models "
+                                         "(--models defaults to none then) and fits LLQR+SAM's overhead ~ P^k")
+    ap.add_argument("--refresh-steps", type=int, help="inner steps of the timed refresh (default 50; --quick 2)")
+    ap.add_argument("--refresh-repeats", type=int, help="warm refreshes timed, median (default 3; --quick 1)")
     ap.add_argument("--methods", help=f"comma-separated subset of {','.join(METHODS)} (default: all; SGD always runs)")
     ap.add_argument("--rounds", type=int, help="timed epochs per runner (default 9; --quick 3)")
     ap.add_argument("--llqr-source", choices=("callback", "step"), default="callback",
