@@ -52,6 +52,8 @@ a list of backend tensors:
   like-shaped tensors (norms and dot products of gradients; on torch a few
   fused calls instead of three Keras ops per tensor; IndexedSlices on
   TensorFlow without a dense copy)
+- ``sandwich(A, Y, B)``: ``A Y_k B^T`` for every ``Y_k`` of a stack
+  (a Kronecker product; A None drops it): einsum, two matmuls on torch
 - ``add_scaled(y, x, alpha)``: ``y + alpha * x`` for a Python number or a
   scalar tensor, one pass over memory on eager torch; an IndexedSlices
   operand is scattered into the dense one
@@ -107,6 +109,7 @@ all_reduce_sum = _impl.all_reduce_sum
 cond_apply = _impl.cond_apply
 vdot = _impl.vdot
 add_scaled = _impl.add_scaled
+sandwich = _impl.sandwich
 densify = _impl.densify
 compile_seconds = _impl.compile_seconds
 traced = _impl.traced
@@ -142,7 +145,7 @@ __all__ = [
     "all_reduce_sum",
     "cond_apply",
     "vdot",
-    "add_scaled",
+    "add_scaled", "sandwich",
     "densify",
     "compile_seconds",
     "traced",

@@ -27,6 +27,14 @@ def compile_seconds():
     return 0.0
 
 
+def sandwich(A, Y, B):
+    """``A Y_k B^T`` for every ``Y_k`` of `Y` (k, m, n) (``Y_k B^T`` when `A`
+    is None): a Kronecker product ``(A kron B) vec(Y_k)``."""
+    if A is None:
+        return ops.einsum("kjl,ml->kjm", Y, B)
+    return ops.einsum("ij,kjl,ml->kim", A, Y, B)
+
+
 def densify(x):
     """`x` itself: only TensorFlow has sparse gradients (IndexedSlices)."""
     return x

@@ -256,6 +256,7 @@ from keras_geosam.backend._generic import add_scaled  # noqa: E402,F401
 from keras_geosam.backend._generic import densify  # noqa: E402,F401
 from keras_geosam.backend._generic import step_timer  # noqa: E402,F401
 from keras_geosam.backend._generic import traced  # noqa: E402,F401
+from keras_geosam.backend._generic import sandwich  # noqa: E402,F401
 from keras_geosam.backend._generic import scale  # noqa: E402,F401
 from keras_geosam.backend._generic import uncompiled  # noqa: E402,F401
 from keras_geosam.backend._generic import vdot  # noqa: E402,F401

@@ -236,6 +236,15 @@ def compile(fn):
     return fn
 
 
+def sandwich(A, Y, B):
+    """``A Y_k B^T`` for every ``Y_k`` of `Y` (k, m, n) (``Y_k B^T`` when `A`
+    is None). Two matmuls: torch.einsum with three operands dispatches
+    dozens of view and permute ops per call, which on an eager K-FAC step
+    (two products per block per step) cost more than the products."""
+    Y = torch.matmul(Y, B.mT)
+    return Y if A is None else torch.matmul(A, Y)
+
+
 def add_scaled(y, x, alpha):
     """``y + alpha * x`` in one pass over memory (two eager ops would make
     two): the LLQR refresh's heavy-ball update, 50 times per refresh, and

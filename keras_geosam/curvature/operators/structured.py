@@ -7,7 +7,8 @@ Each class can be rebuilt from a flat list of parameter tensors
 differentiated through ``op.matvec``.
 
 Products are written with ``ops.einsum`` (Keras 3.15's ``ops.matmul``
-computes float64 in float32 on torch). A KFAC or EKFAC block acts on one tensor viewed as a matrix ``X`` of shape
+computes float64 in float32 on torch); a Kronecker product's two matmuls
+are ``backend.sandwich``. A KFAC or EKFAC block acts on one tensor viewed as a matrix ``X`` of shape
 ``(m, n)``: the tensor's axes before `split` make the rows, the others the
 columns (Dense kernel ``(d_in, d_out)``; Conv kernel
 ``(kh*kw*c_in, c_out)``). With the row-major ``vec``,
@@ -199,9 +200,9 @@ class KFAC(_Spectral, LinearOperator):
         Y = ops.reshape(X, (k,) + self.view)
         A, B = ops.cast(self.A, X.dtype), ops.cast(self.B, X.dtype)
         if self.diagonal_input:
-            Y = A[None, :, None] * ops.einsum("kjl,ml->kjm", Y, B)
+            Y = A[None, :, None] * backend.sandwich(None, Y, B)
         else:
-            Y = ops.einsum("ij,kjl,ml->kim", A, Y, B)
+            Y = backend.sandwich(A, Y, B)
         return [ops.reshape(Y, ops.shape(X))]
 
     def _input_diagonal(self):
@@ -301,12 +302,13 @@ class EKFAC(_Spectral, LinearOperator):
         k = ops.shape(X)[0]
         QG, s = ops.cast(self.QG, X.dtype), ops.cast(self.s, X.dtype)
         Y = ops.reshape(X, (k,) + self.view)
+        QGt = ops.transpose(QG)
         if self.QA is None:
-            Y = ops.einsum("kjl,ml->kjm", s[None] * ops.einsum("kjl,lm->kjm", Y, QG), QG)
+            Y = backend.sandwich(None, s[None] * backend.sandwich(None, Y, QGt), QG)
         else:
             QA = ops.cast(self.QA, X.dtype)
-            inner = ops.einsum("ji,kjl,lm->kim", QA, Y, QG)
-            Y = ops.einsum("ij,kjl,ml->kim", QA, s[None] * inner, QG)
+            inner = backend.sandwich(ops.transpose(QA), Y, QGt)
+            Y = backend.sandwich(QA, s[None] * inner, QG)
         return [ops.reshape(Y, ops.shape(X))]
 
     def diagonal(self):
