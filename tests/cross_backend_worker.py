@@ -87,8 +87,48 @@ def compute():
             out["labels"] = np.asarray(value[1])
         else:
             out[key] = value
+    transformer(out, errors, flat, rows, estimate)
     out["errors"] = np.array(errors, dtype=str)
     return out
+
+
+def transformer(out, errors, flat, rows, estimate):
+    """The same on the tiny token-level Transformer of ``tiny_transformer``
+    (padding masked, per-token weights): keys ``lm_*``."""
+    import keras
+    import tiny_transformer as tt
+
+    from keras_geosam import curvature as kc
+    from keras_geosam import sharpness as ks
+
+    model = tt.build()
+    x, y = tt.data()
+    sw = np.random.default_rng(3).uniform(0.5, 2.0, x.shape).astype("float32")
+    vec = [np.random.default_rng(4).normal(size=v.shape).astype("float32") for v in model.trainable_variables]
+    kw = dict(sample_weight=sw)
+    probed = dict(num_probes=4, rtol=None, seed=3, **kw)
+    out["lm_weights"] = flat(model.weights)
+    steps = {
+        "lm_loss_grad": lambda: kc.loss_and_gradient(model, x, y, **kw),
+        "lm_hvp": lambda: flat(kc.hvp(model, x, y, vec, **kw)),
+        "lm_ggnvp": lambda: flat(kc.ggnvp(model, x, y, vec, **kw)),
+        "lm_per_example": lambda: rows(kc.per_example_gradients(model, x, y, **kw)),
+        "lm_trace_split": lambda: estimate(ks.hessian_trace(model, x, y, **probed)),
+        "lm_sr_diag": lambda: estimate(ks.riemannian_sharpness(model, x, y, metric="diagonal", damping=0.1, **probed)),
+        "lm_sr_kfac": lambda: estimate(ks.riemannian_sharpness(model, x, y, metric="kfac", damping=0.1, **probed)),
+        "lm_fisher_mc": lambda: flat(ks.fisher_diagonal(model, x, kind="mc", num_samples=2, seed=5, **kw)),
+    }
+    for key, step in steps.items():
+        try:
+            value = step()
+        except Exception as e:  # reported by the test
+            errors.append(f"{key}: {type(e).__name__}: {str(e)[:300]}")
+            continue
+        if key == "lm_loss_grad":
+            out["lm_loss"] = np.asarray(keras.ops.convert_to_numpy(value[0])).reshape(1)
+            out["lm_grad"] = flat(value[1])
+        else:
+            out[key] = value
 
 
 if __name__ == "__main__":

@@ -62,6 +62,9 @@ KEYS = [
     "riemannian_sharpness_stderr",
     "riemannian_sharpness_normalized",
 ]
+# Each split measure's two parts, with their standard errors.
+KEYS = KEYS[:2] + [f"hessian_trace_{p}" for p in ("ggn", "ggn_stderr", "residual", "residual_stderr")] + KEYS[2:] + [
+    f"riemannian_sharpness_{p}" for p in ("ggn", "ggn_stderr", "residual", "residual_stderr")]
 
 
 def test_history_keys_and_values_match_direct_calls():

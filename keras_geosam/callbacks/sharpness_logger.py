@@ -13,6 +13,10 @@ from keras_geosam.curvature.functional import check_data
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.losses import require_classifier
 
+# Metrics estimated as an exact (or sampled) GGN part plus a probed
+# residual: each part is logged with its standard error too.
+_SPLIT = ("hessian_trace", "riemannian_sharpness", "riemannian_sharpness_kfac")
+
 # name -> (function, fixed keyword arguments, takes probes, needs a classifier)
 _METRICS = {
     "hessian_trace": (sharpness.hessian_trace, {}, True, False),
@@ -33,8 +37,15 @@ class SharpnessLogger(keras.callbacks.Callback):
     differences come from the weights, not the probes) and writes
     ``logs[prefix + name]`` and ``logs[prefix + name + "_stderr"]``; for
     Riemannian sharpness also ``..._normalized`` (value per parameter with
-    nonzero Fisher; see the piecewise-linear caveat). On epochs it skips the
-    keys hold NaN, so every epoch has the same columns.
+    nonzero Fisher; see the piecewise-linear caveat). The split measures
+    (``hessian_trace``, ``riemannian_sharpness``,
+    ``riemannian_sharpness_kfac``) also write their two parts, each with its
+    standard error: ``..._ggn`` (``tr(M^-1 GGN)``, exact or sampled) and
+    ``..._residual`` (``tr(M^-1 (H - GGN))``, probed). When the residual
+    outweighs the GGN part or `rtol` is not reached, one warning per metric
+    and ``fit`` says which and what to do (the GGN part is then the number
+    to read). On epochs it skips the keys hold NaN, so every epoch has the
+    same columns.
 
     Keras hands every callback the same ``logs`` in list order, so at the
     start of training the logger moves itself to the front of the
@@ -53,6 +64,9 @@ class SharpnessLogger(keras.callbacks.Callback):
         options: per-metric keyword overrides, e.g.
             ``{"riemannian_sharpness": {"damping": 1e-2}}``.
         verbose: 1 prints one line per metric (value, stderr, seconds).
+        sample_weight: ``(N,)`` or per-token weights of the probe data's
+            loss terms (a sequence model's padding; the model's own mask is
+            applied too).
 
     Raises:
         ValueError: if a metric is unknown or none is given,
@@ -73,8 +87,11 @@ class SharpnessLogger(keras.callbacks.Callback):
     >>> logger = kg.callbacks.SharpnessLogger(x, y, metrics=("hessian_trace", "riemannian_sharpness"))
     >>> history = model.fit(x, y, epochs=2, verbose=0, callbacks=[logger])
     >>> sorted(key for key in history.history if key != "loss")  # doctest: +NORMALIZE_WHITESPACE
-    ['hessian_trace', 'hessian_trace_stderr', 'riemannian_sharpness',
-     'riemannian_sharpness_normalized', 'riemannian_sharpness_stderr']
+    ['hessian_trace', 'hessian_trace_ggn', 'hessian_trace_ggn_stderr',
+     'hessian_trace_residual', 'hessian_trace_residual_stderr', 'hessian_trace_stderr',
+     'riemannian_sharpness', 'riemannian_sharpness_ggn', 'riemannian_sharpness_ggn_stderr',
+     'riemannian_sharpness_normalized', 'riemannian_sharpness_residual',
+     'riemannian_sharpness_residual_stderr', 'riemannian_sharpness_stderr']
     >>> len(history.history["hessian_trace"])
     2
     """
@@ -93,6 +110,7 @@ class SharpnessLogger(keras.callbacks.Callback):
         prefix="",
         options=None,
         verbose=0,
+        sample_weight=None,
     ):
         super().__init__()
         if isinstance(metrics, str):
@@ -113,7 +131,8 @@ class SharpnessLogger(keras.callbacks.Callback):
                 f"options given for {stray}, which are not among the logged "
                 f"metrics {list(metrics)}."
             )
-        self.x, self.y = check_data(x, y)
+        self.x, self.y = check_data(x, y, sample_weight=sample_weight)
+        self.sample_weight = sample_weight
         self.metrics = tuple(metrics)
         self.every_n_epochs = every_n_epochs
         self.num_probes = num_probes
@@ -136,12 +155,15 @@ class SharpnessLogger(keras.callbacks.Callback):
             out += [self.prefix + name, self.prefix + name + "_stderr"]
             if name.startswith("riemannian_sharpness"):
                 out.append(self.prefix + name + "_normalized")
+            if name in _SPLIT:
+                out += [self.prefix + name + part for part in ("_ggn", "_ggn_stderr", "_residual", "_residual_stderr")]
         return out
 
     # ---------------------------------------------------------- checks ----
     def on_train_begin(self, logs=None):
         self._check_model()
         self._move_to_front()
+        self._warned = set()
 
     def _check_model(self):
         # Before the first epoch trains: a wrong loss or bad data should not
@@ -180,26 +202,54 @@ class SharpnessLogger(keras.callbacks.Callback):
             if probed:
                 kwargs.update(num_probes=self.num_probes, rtol=self.rtol, max_probes=self.max_probes)
             kwargs.update(self.options.get(name, {}))
+            if self.sample_weight is not None:
+                kwargs.setdefault("sample_weight", self.sample_weight)
             start = time.perf_counter()
-            with warnings.catch_warnings():
-                # The piecewise-linear caveat is reported through _normalized;
-                # an unmet rtol shows in the stderr written beside the value.
-                warnings.filterwarnings("ignore", message=".*piecewise linear.*")
-                warnings.filterwarnings("ignore", message=".*max_probes.*")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 est = fn(model, self.x, self.y, **kwargs)
+            self._forward(name, caught)
             out[self.prefix + name] = float(est.value)
             out[self.prefix + name + "_stderr"] = float(est.stderr)
             if "normalized" in est.info:
                 out[self.prefix + name + "_normalized"] = float(est.info["normalized"])
             elif name.startswith("riemannian_sharpness"):
                 out[self.prefix + name + "_normalized"] = float(est.value) / max(est.info.get("num_params", 1), 1)
+            if name in _SPLIT:
+                info = est.info
+                for part, key in (("_ggn", "exact_part"), ("_residual", "residual")):
+                    out[self.prefix + name + part] = float(info.get(key, math.nan))
+                    out[self.prefix + name + part + "_stderr"] = float(info.get(key + "_stderr", math.nan))
             if self.verbose:
+                parts = ""
+                if name in _SPLIT and "exact_part" in est.info:
+                    info = est.info
+                    parts = (f" = GGN part {info['exact_part']:.4g} ± {info['exact_part_stderr']:.2g}"
+                             f" + residual {info['residual']:.4g} ± {info['residual_stderr']:.2g}")
                 print(
-                    f"SharpnessLogger: {self.prefix + name} = {est.format()} "
+                    f"SharpnessLogger: {self.prefix + name} = {est.format()}{parts} "
                     f"({est.num_samples} samples, {time.perf_counter() - start:.2f}s)",
                     flush=True,
                 )
         return out
+
+    def _forward(self, name, caught):
+        """Re-issues what a measure warned: the piecewise-linear caveat and an
+        unmet rtol of an unsplit trace never (they show in ``_normalized`` and
+        the stderr), a residual's diagnosis once per metric
+        and ``fit`` (its numbers change every epoch; the keys keep them),
+        anything else as it came."""
+        warned = self.__dict__.setdefault("_warned", set())
+        for w in caught:
+            text = str(w.message)
+            if "piecewise linear" in text or text.startswith("Hutchinson: relative standard error"):
+                continue  # shown by _normalized / by the stderr beside the value
+            if "This means" in text and "What to do" in text:
+                if name in warned:
+                    continue
+                warned.add(name)
+                text = f"SharpnessLogger, {self.prefix + name} (said once per fit; the '_ggn' and '_residual' keys follow it every epoch): {text}"
+            warnings.warn(text, w.category, stacklevel=3)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is None:

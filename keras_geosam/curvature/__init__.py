@@ -12,6 +12,7 @@ from keras import ops
 
 from keras_geosam import backend
 from keras_geosam.curvature import probes
+from keras_geosam.curvature import weights as token_weights
 from keras_geosam.curvature.functional import ModelFunctions
 from keras_geosam.curvature.functional import check_data
 from keras_geosam.curvature.functional import check_labels
@@ -36,7 +37,8 @@ from keras_geosam.curvature.operators import LinearOperator
 from keras_geosam.curvature.operators.model import _capture_of
 
 
-def loss_and_gradient(model, x, y, params=None, loss=None, batch_size=None, training=False, include_regularization=True):
+def loss_and_gradient(model, x, y, params=None, loss=None, batch_size=None, training=False, include_regularization=True,
+                      sample_weight=None):
     """Mean loss and its gradient, at the model's weights or at `params`.
 
     The loss is averaged over all of ``(x, y)`` (streamed in `batch_size`
@@ -57,6 +59,10 @@ def loss_and_gradient(model, x, y, params=None, loss=None, batch_size=None, trai
         training: run layers in training mode. Defaults to `False`.
         include_regularization: add the model's regularisation losses.
             Defaults to `True`.
+        sample_weight: ``(N,)`` or per-token ``(N,) + positions`` weights
+            (with the model's own output mask they make the loss a weighted
+            mean over tokens; ``keras_geosam.curvature.weights``). Defaults
+            to `None`.
 
     Returns:
         A tuple ``(loss, grads)``: a scalar tensor and a list of tensors
@@ -82,21 +88,22 @@ def loss_and_gradient(model, x, y, params=None, loss=None, batch_size=None, trai
     [(4, 3), (3,)]
     """
     fns = model_functions(model, loss, training, include_regularization)
-    check_data(x, y)
+    check_data(x, y, sample_weight=sample_weight)
     check_labels(fns, x, y)
     p = fns.params() if params is None else fns.check_vectors(params, "params")
     n = num_examples(x)
+    weights = _normalised_weights(fns, x, y, sample_weight, batch_size)
     kernel = fns.kernel("loss_and_grad")
     value, grads = 0.0, None
-    for xb, yb, nb in batches(x, y, batch_size):
-        lb, gb = kernel(p, fns.non_trainable(), xb, yb)
-        w = nb / n
+    for (xb, yb, nb), swb in zip(batches(x, y, batch_size), token_weights.batch_slices(weights, n, batch_size, _dtype(fns))):
+        lb, gb = kernel(p, fns.non_trainable(), xb, yb, swb)
+        w = nb / n if swb is None else 1.0  # a weighted batch returns its share
         value = value + w * lb
         grads = [w * g for g in gb] if grads is None else [a + w * g for a, g in zip(grads, gb)]
     return value, grads
 
 
-def hvp(model, x, y, vectors, loss=None, batch_size=None, training=False):
+def hvp(model, x, y, vectors, loss=None, batch_size=None, training=False, sample_weight=None):
     """Hessian of the mean loss (regularisers included) times `vectors`.
 
     Computes ``H v`` at the model's weights, for ``H`` the Hessian of the
@@ -113,6 +120,8 @@ def hvp(model, x, y, vectors, loss=None, batch_size=None, training=False):
         loss: loss to use instead of the compiled one. Defaults to `None`.
         batch_size: examples per streamed batch. Defaults to `None` (256).
         training: run layers in training mode. Defaults to `False`.
+        sample_weight: weights of the loss terms, as for
+            :func:`loss_and_gradient`. Defaults to `None`.
 
     Returns:
         A list of tensors shaped like the trainable variables.
@@ -140,10 +149,10 @@ def hvp(model, x, y, vectors, loss=None, batch_size=None, training=False):
     """
     fns = model_functions(model, loss, training)
     vectors = fns.check_vectors(vectors)
-    return Hessian(model, x, y, loss=loss, batch_size=batch_size, training=training).matvec(vectors)
+    return Hessian(model, x, y, loss=loss, batch_size=batch_size, training=training, sample_weight=sample_weight).matvec(vectors)
 
 
-def ggnvp(model, x, y=None, vectors=None, reduction="mean", loss=None, batch_size=None, training=False):
+def ggnvp(model, x, y=None, vectors=None, reduction="mean", loss=None, batch_size=None, training=False, sample_weight=None):
     """Gauss-Newton (= Fisher, for softmax cross-entropy) times `vectors`.
 
     ``G v = c * sum_n J_n^T (diag p_n - p_n p_n^T) J_n v`` with ``J_n`` the
@@ -164,6 +173,8 @@ def ggnvp(model, x, y=None, vectors=None, reduction="mean", loss=None, batch_siz
         loss: loss to use instead of the compiled one. Defaults to `None`.
         batch_size: examples per streamed batch. Defaults to `None` (256).
         training: run layers in training mode. Defaults to `False`.
+        sample_weight: weights of the loss terms, as for
+            :func:`loss_and_gradient`. Defaults to `None`.
 
     Returns:
         A list of tensors shaped like the trainable variables.
@@ -197,18 +208,22 @@ def ggnvp(model, x, y=None, vectors=None, reduction="mean", loss=None, batch_siz
     fns = model_functions(model, loss, training)
     require_classifier(fns.spec, "ggnvp")
     vectors = fns.check_vectors(vectors)
-    op = GGN(model, x, kind="exact", loss=loss, batch_size=batch_size, training=training)
+    op = GGN(model, x, y, kind="exact", loss=loss, batch_size=batch_size, training=training, sample_weight=sample_weight)
     out = op.matvec(vectors)
     if reduction == "sum":
         out = [o * ops.cast(op.num_examples, o.dtype) for o in out]
     return out
 
 
-def per_example_gradients(model, x, y, loss=None, batch_size=None, training=False):
+def per_example_gradients(model, x, y, loss=None, batch_size=None, training=False, sample_weight=None):
     """Gradient of each example's loss (no regularisers), vectorised.
 
-    Meaningless with BatchNorm in training mode, hence the default
-    ``training=False``.
+    An example's loss is its own mean over its positions (a sequence's
+    tokens, weighted by `sample_weight` and the model's mask where given;
+    an example without a counted token has a zero gradient), so for
+    unweighted data the mean of the per-example gradients is the gradient of
+    the mean loss. Meaningless with BatchNorm in training mode, hence the
+    default ``training=False``.
 
     Args:
         model: a built single-output ``keras.Model``.
@@ -219,6 +234,8 @@ def per_example_gradients(model, x, y, loss=None, batch_size=None, training=Fals
         batch_size: examples per streamed batch. Defaults to `None` (all
             at once).
         training: run layers in training mode. Defaults to `False`.
+        sample_weight: ``(N,)`` or per-token weights (see
+            :func:`loss_and_gradient`). Defaults to `None`.
 
     Returns:
         A list matching the trainable variables, each tensor with a leading
@@ -245,16 +262,18 @@ def per_example_gradients(model, x, y, loss=None, batch_size=None, training=Fals
     True
     """
     fns = model_functions(model, loss, training)
-    check_data(x, y)
+    check_data(x, y, sample_weight=sample_weight)
     check_labels(fns, x, y)
+    weights = token_weights.resolve(fns, x, y, sample_weight, batch_size)
     capture = _capture_of(fns)
     if capture.uncovered or not capture.rules:
-        return _concat(fns, fns.kernel("per_example_grads"), x, y, batch_size)
+        return _concat(fns, fns.kernel("per_example_grads"), x, y, batch_size, weights)
     # Every variable has a rule: from layer inputs and output gradients,
     # with no per-example map (works for torch convolutions too).
     parts = None
-    for xb, yb, _ in batches(x, y, batch_size):
-        out = capture.per_example_gradients(fns.params(), fns.non_trainable(), xb, ops.convert_to_tensor(yb))
+    slices = token_weights.batch_slices(weights, num_examples(x), batch_size, _dtype(fns))
+    for (xb, yb, _), swb in zip(batches(x, y, batch_size), slices):
+        out = capture.per_example_gradients(fns.params(), fns.non_trainable(), xb, ops.convert_to_tensor(yb), swb)
         out = [out[i] for i in range(len(fns.variables))]
         parts = [[o] for o in out] if parts is None else [p + [o] for p, o in zip(parts, out)]
     return [ops.concatenate(p, axis=0) if len(p) > 1 else p[0] for p in parts]
@@ -458,6 +477,18 @@ def _output_functions(model, training):
     return model_functions(model, getattr(model, "loss", None) or "mse", training)
 
 
+def _dtype(fns):
+    import keras
+
+    return keras.backend.standardize_dtype(fns.variables[0].dtype)
+
+
+def _normalised_weights(fns, x, y, sample_weight, batch_size):
+    """Per-token weights summing to one (None: every token counts once)."""
+    weights = token_weights.resolve(fns, x, y, sample_weight, batch_size)
+    return None if weights is None else weights / weights.sum()
+
+
 def _tile(x, k):
     import numpy as np
 
@@ -468,10 +499,12 @@ def _tile(x, k):
     return np.concatenate([np.asarray(ops.convert_to_numpy(x))] * k, axis=0)
 
 
-def _concat(fns, kernel, x, y, batch_size):
+def _concat(fns, kernel, x, y, batch_size, weights=None):
     parts = None
-    for xb, yb, _ in batches(x, y, batch_size):
-        out = kernel(fns.params(), fns.non_trainable(), xb, ops.convert_to_tensor(yb))
+    slices = token_weights.batch_slices(weights, num_examples(x), batch_size, _dtype(fns))
+    for (xb, yb, _), swb in zip(batches(x, y, batch_size), slices):
+        args = () if swb is None else (swb,)
+        out = kernel(fns.params(), fns.non_trainable(), xb, ops.convert_to_tensor(yb), *args)
         parts = [[o] for o in out] if parts is None else [p + [o] for p, o in zip(parts, out)]
     return [ops.concatenate(p, axis=0) if len(p) > 1 else p[0] for p in parts]
 

@@ -114,7 +114,7 @@ class Capture:
         return self._call_shapes[key]
 
     # --------------------------------------------------------- kernels ----
-    def statistics(self, params, nt, x, y, key, offset, kind, num_samples, kernel_diag=None, other_diag=True, factors=False, bases=None, approximation="expand"):
+    def statistics(self, params, nt, x, y, key, offset, kind, num_samples, kernel_diag=None, other_diag=True, factors=False, bases=None, approximation="expand", sw=None, gram=()):
         """Sums over one batch, on the device.
 
         Args:
@@ -125,11 +125,20 @@ class Capture:
             other_diag: the same for every other variable (biases, scales,
                 uncovered variables).
             factors: K-FAC factor sums ``A`` (with row counts) and ``B``.
+            gram: K-FAC rules (indices into ``kfac_rules``) whose input
+                factor comes as its rows ``R`` (``R^T R`` the sum; in
+                ``"R"``, ``"A"`` holding None there): layers wider than the
+                rows they see.
             bases: ``{kfac rule index: (QA, QB, W)}``: the kernel's
                 ``sum_jn g^T W g`` with ``W`` diagonal in the basis QA kron QB
                 (``QA`` None: the identity, for a diagonal input factor).
             approximation: K-FAC for layers shared over positions,
                 ``"expand"`` or ``"reduce"`` (``layers.py``).
+            sw: normalised per-token weights of the batch
+                (``weights.py``), or None. They scale each token's output
+                factors by ``sqrt(w)``, and weight the K-FAC input rows: a
+                layer whose rows are the output's positions takes each
+                token's weight, any other its example's.
 
         Returns:
             ``{"diag": {variable index: tensor}, "quad": {variable index:
@@ -142,23 +151,24 @@ class Capture:
         if approximation not in KFAC_APPROXIMATIONS:
             raise ValueError(f"The K-FAC approximation must be one of {KFAC_APPROXIMATIONS}, got {approximation!r}.")
         static = dict(kind=kind, num_samples=int(num_samples))
-        out = {"diag": {}, "A": [], "B": [], "rows": [], "quad": {}}
+        out = {"diag": {}, "A": [], "B": [], "rows": [], "quad": {}, "R": {}}
         if self.rules:
             kernel = self._kernel(
                 "body_statistics", kernel_diag=tuple(sorted(kernel_diag)), other_diag=bool(other_diag),
-                factors=bool(factors), quad=quad, shapes=_freeze(self.call_shapes(x)),
+                factors=bool(factors), quad=quad, shapes=_freeze(self.call_shapes(x)), gram=tuple(sorted(gram)),
                 approximation=approximation if factors else "expand", **static,
             )
-            out = kernel(params, nt, x, y, key, offset, [bases[q] for q in quad])
+            out = kernel(params, nt, x, y, key, offset, [bases[q] for q in quad], sw)
         if other_diag and self.uncovered:
-            extra = self._kernel("body_uncovered", **static)(params, nt, x, y, key, offset)
+            extra = self._kernel("body_uncovered", **static)(params, nt, x, y, key, offset, sw)
             out["diag"] = {**out["diag"], **extra}
         return out
 
-    def per_example_gradients(self, params, nt, x, y):
-        """Per-example gradients of the data loss, ``{variable index: (N,) +
-        shape}``, for covered variables only (see ``uncovered``)."""
-        return self._kernel("body_per_example", shapes=_freeze(self.call_shapes(x)))(params, nt, x, y)
+    def per_example_gradients(self, params, nt, x, y, sw=None):
+        """Per-example gradients of each example's own (weighted) mean loss
+        over its positions, ``{variable index: (N,) + shape}``, for covered
+        variables only (see ``uncovered``)."""
+        return self._kernel("body_per_example", shapes=_freeze(self.call_shapes(x)))(params, nt, x, y, sw)
 
     # Bodies of the compiled kernels (ModelFunctions compiles them).
     def _pullback(self, params, nt, x, shapes, output):
@@ -191,21 +201,27 @@ class Capture:
         d = [ops.cast(rule.delta_rows(deltas[slot[(i, c)]]), rule.kernel.dtype) for c in range(calls)]
         return d[0] if calls == 1 else ops.concatenate(d, axis=2)
 
-    def body_statistics(self, params, nt, x, y, key, offset, bases, *, kind, num_samples, kernel_diag, other_diag, factors, quad, shapes, approximation):
+    def body_statistics(self, params, nt, x, y, key, offset, bases, sw, *, kind, num_samples, kernel_diag, other_diag, factors, quad, shapes, approximation, gram):
         z, records, pull, slot = self._pullback(params, nt, x, shapes, "logits")
-        cot = self.fns.output_factors(kind, z, y, key, offset, num_samples)
-        k = int(cot.shape[0])
+        k = self.fns.num_factor_columns(kind, tuple(int(d) for d in z.shape), num_samples)
         per_column = sum(int(np.prod(s)) for calls in shapes for s in calls)
-        chunk = max(1, min(k, MAX_ELEMENTS // max(per_column, 1)))
+        # The factors of a chunk are built with it: the exact kind's T*C
+        # columns of a sequence model never exist all at once.
+        chunk = max(1, min(k, MAX_ELEMENTS // max(per_column, int(np.prod(z.shape)), 1)))
         rows = self._rows(records)
         kfac_index = {i: j for j, i in enumerate(i for i, r in enumerate(self.rules) if r.kernel is not None)}
-        out = {"diag": {}, "A": [], "B": [], "rows": [], "quad": {}}
+        out = {"diag": {}, "A": [], "B": [], "rows": [], "quad": {}, "R": {}}
         if factors:
-            for rule, a in zip(self.rules, rows):
-                if a is not None:
-                    A, count = rule.input_factor(a, approximation)
+            for j, (rule, a) in enumerate((r, a) for r, a in zip(self.rules, rows) if a is not None):
+                rw = _row_weights(sw, a, rule.kernel.dtype)
+                if j in gram:
+                    R, count = rule.input_rows(a, approximation, rw)
+                    out["R"][j] = R
+                    out["A"].append(None)
+                else:
+                    A, count = rule.input_factor(a, approximation, rw)
                     out["A"].append(A)
-                    out["rows"].append(ops.convert_to_tensor(count, dtype=rule.kernel.dtype))
+                out["rows"].append(ops.convert_to_tensor(count, dtype=rule.kernel.dtype))
         rotated = {}
         for q, (QA, QB, W) in zip(quad, bases):
             i = [i for i, j in kfac_index.items() if j == q][0]
@@ -216,7 +232,8 @@ class Capture:
         # met with a^2 once at the end (one m x n product, not one per chunk).
         dsq, dsq_rot = {}, {}
         for start in range(0, k, chunk):
-            deltas = pull(cot[start : start + chunk])
+            cot = self.fns.output_factors(kind, z, y, key, offset, num_samples, sw, columns=(start, min(start + chunk, k)))
+            deltas = pull(cot)
             for i, rule in enumerate(self.rules):
                 if other_diag:
                     # A layer called several times: its per-example gradient
@@ -260,12 +277,12 @@ class Capture:
             out["B"] = [b for b, a in zip(B, rows) if a is not None]
         return out
 
-    def _factor_grads(self, params, nt, x, y, key, offset, kind, num_samples, idx):
+    def _factor_grads(self, params, nt, x, y, key, offset, kind, num_samples, idx, sw=None):
         """Per-example gradients ``J_n^T c_jn`` of the variables `idx`, by the
         backend's vectorised map: a list over j of lists like `idx` of
         ``(N,) + shape`` tensors."""
         fns = self.fns
-        cot = fns.output_factors(kind, fns.logits(params, nt, x), y, key, offset, num_samples)
+        cot = fns.output_factors(kind, fns.logits(params, nt, x), y, key, offset, num_samples, sw)
 
         def f(sub, xi, ci):
             full = list(params)
@@ -275,29 +292,42 @@ class Capture:
 
         return [backend.per_example_grads(f, [params[i] for i in idx], x, cot[j]) for j in range(int(cot.shape[0]))]
 
-    def body_uncovered(self, params, nt, x, y, key, offset, *, kind, num_samples):
+    def body_uncovered(self, params, nt, x, y, key, offset, sw, *, kind, num_samples):
         # Variables of layers without a rule.
         out = {}
-        for grads in self._factor_grads(params, nt, x, y, key, offset, kind, num_samples, self.uncovered):
+        for grads in self._factor_grads(params, nt, x, y, key, offset, kind, num_samples, self.uncovered, sw):
             for i, g in zip(self.uncovered, grads):
                 _add(out, i, ops.sum(ops.square(g), axis=0))
         return out
 
-    def factor_gradients(self, params, nt, x, y, key, offset, kind, num_samples):
+    def factor_gradients(self, params, nt, x, y, key, offset, kind, num_samples, sw=None):
         """``J_n^T c_jn`` for every output factor j and example n: a list like
         the variables of ``(k, N) + shape`` tensors (small models: dense
         matrices are built from them)."""
-        return self._kernel("body_factor_gradients", kind=kind, num_samples=int(num_samples))(params, nt, x, y, key, offset)
+        return self._kernel("body_factor_gradients", kind=kind, num_samples=int(num_samples))(params, nt, x, y, key, offset, sw)
 
-    def body_factor_gradients(self, params, nt, x, y, key, offset, *, kind, num_samples):
+    def body_factor_gradients(self, params, nt, x, y, key, offset, sw, *, kind, num_samples):
         everything = list(range(len(params)))
-        rows = self._factor_grads(params, nt, x, y, key, offset, kind, num_samples, everything)
+        rows = self._factor_grads(params, nt, x, y, key, offset, kind, num_samples, everything, sw)
         return [ops.stack(parts) for parts in zip(*rows)]
 
-    def body_per_example(self, params, nt, x, y, *, shapes):
+    def body_per_example(self, params, nt, x, y, sw, *, shapes):
         z, records, pull, slot = self._pullback(params, nt, x, shapes, "outputs")
         spec = self.fns.spec
-        _, (r,) = backend.value_and_grad(lambda zs: ops.sum(spec.per_example(y, zs[0])), [ops.stop_gradient(z)])
+
+        def losses(zs):
+            # Each example's own mean over its positions (weighted by sw).
+            values = spec.per_example(y, zs[0])
+            if len(values.shape) == 1:
+                return ops.sum(values) if sw is None else ops.sum(values * ops.cast(ops.greater(sw, 0), values.dtype))
+            flat = ops.reshape(values, (ops.shape(values)[0], -1))
+            if sw is None:
+                return ops.sum(flat) / float(int(flat.shape[1]))
+            w = ops.reshape(ops.cast(sw, values.dtype), ops.shape(flat))
+            total = ops.sum(w, axis=1, keepdims=True)
+            return ops.sum(flat * w / ops.where(total > 0, total, ops.ones_like(total)))
+
+        _, (r,) = backend.value_and_grad(losses, [ops.stop_gradient(z)])
         deltas = pull(r[None])
         rows = self._rows(records)
         out = {}
@@ -310,6 +340,20 @@ class Capture:
                 g = rule.per_example(rows[i], d)
                 out[self.position[id(rule.kernel)]] = ops.reshape(g, (ops.shape(g)[0],) + tuple(rule.kernel.shape))
         return out
+
+
+def _row_weights(sw, a, dtype):
+    """Weights of a layer's input rows ``a`` ``(N, T_in, ...)`` for its
+    K-FAC input factor: each token's where the rows are the output's
+    positions, else the example's total spread over its rows; None without
+    weights."""
+    if sw is None:
+        return None
+    n, t_in = int(a.shape[0]), int(a.shape[1])
+    w = ops.reshape(ops.cast(sw, dtype), (n, -1))
+    if int(w.shape[1]) == t_in:
+        return w
+    return ops.broadcast_to(ops.sum(w, axis=1, keepdims=True) / float(t_in), (n, t_in))
 
 
 def _add(store, key, value):

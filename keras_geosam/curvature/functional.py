@@ -110,12 +110,21 @@ class ModelFunctions:
             raise ValueError("keras_geosam curvature routines need a single-output model.")
         return y_pred, losses
 
-    def loss(self, params, nt, x, y):
-        """Mean loss over the batch, plus regularisation losses."""
+    def loss(self, params, nt, x, y, sw=None):
+        """Mean loss over the batch, plus regularisation losses.
+
+        `sw`: None (every loss term counts once: the mean over examples and
+        positions), or per-token weights shaped like the per-token losses
+        that sum to one over *all* the data (``weights.py``), so the result
+        is this batch's share of the whole weighted mean: ``sum sw * l +
+        sum(sw) * regularisers``.
+        """
         y_pred, losses = self.outputs(params, nt, x)
-        value = mean(self.spec.per_example(y, y_pred))
+        values = self.spec.per_example(y, y_pred)
+        value = mean(values) if sw is None else ops.sum(values * ops.cast(sw, values.dtype))
         if self.include_regularization and losses:
-            value = value + ops.sum(ops.stack([ops.cast(l, value.dtype) for l in losses]))
+            reg = ops.sum(ops.stack([ops.cast(l, value.dtype) for l in losses]))
+            value = value + (reg if sw is None else reg * ops.sum(ops.cast(sw, value.dtype)))
         return value
 
     def log_probs(self, params, nt, x):
@@ -135,8 +144,8 @@ class ModelFunctions:
         return self.spec.logits(self.outputs(params, nt, x)[0])
 
     def output_gradient(self, z, y):
-        """Per-example gradients of the data loss with respect to the logits
-        `z` (stop-gradient): ``r_n = dl_n / dz_n``."""
+        """Per-token gradients of the data loss with respect to the logits
+        `z` (stop-gradient): ``r_nt = dl_nt / dz_nt``, unweighted."""
         spec = self.spec
 
         def total(zs):
@@ -145,7 +154,26 @@ class ModelFunctions:
         _, (r,) = backend.value_and_grad(total, [ops.stop_gradient(z)])
         return ops.stop_gradient(r)
 
-    def output_factors(self, kind, z, y=None, key=None, offset=None, num_samples=1):
+    @staticmethod
+    def token_scale(z, sw=None):
+        """``s_nt`` with ``s_nt^2`` each token's share of the loss up to the
+        final division (``(N,) + positions``): ``1/T`` per token of an
+        example without weights (the result is then divided by N), the
+        normalised weight ``sw`` with them (nothing divided later)."""
+        shape = tuple(int(d) for d in z.shape[:-1])
+        if sw is not None:
+            return ops.sqrt(ops.cast(sw, z.dtype))
+        t = int(np.prod(shape[1:], dtype=np.int64))
+        return ops.full(shape, float(t) ** -0.5, dtype=z.dtype)
+
+    def num_factor_columns(self, kind, shape, num_samples=1):
+        """How many output factors ``output_factors`` returns for logits of
+        `shape`: ``T*C`` for ``"exact"`` (one per position and class),
+        `num_samples` for ``"mc"``, 1 for ``"empirical"``."""
+        positions = int(np.prod(shape[1:-1], dtype=np.int64))
+        return {"exact": positions * int(shape[-1]), "mc": int(num_samples), "empirical": 1}[kind]
+
+    def output_factors(self, kind, z, y=None, key=None, offset=None, num_samples=1, sw=None, columns=None):
         """Square-root factors of the output-space curvature: ``(k, N, ...,
         C)`` tensors ``c`` shaped like `z` with a leading axis k, ``sum_j
         c_jn c_jn^T`` equal to each example's Hessian of its loss in the
@@ -160,11 +188,16 @@ class ModelFunctions:
         - ``"empirical"``: ``r_n r_n^T``, r the data loss's gradient.
 
         Outputs with positions (``(N, T, C)`` logits of a sequence model):
-        an example is a sequence, its loss the mean of its T per-position
-        losses (as Keras averages them), so the Hessian is block-diagonal
-        over positions, each block divided by T. ``"exact"`` then has k =
-        T*C columns, each non-zero at one position; ``"mc"`` draws a label at
-        every position (cross-position terms vanish in expectation).
+        each token is a loss term (``weights.py``), so the Hessian is
+        block-diagonal over positions, each block scaled by the token's share
+        ``s_nt^2`` (``token_scale``: 1/T, or the normalised weight `sw`).
+        ``"exact"`` then has k = T*C columns, each non-zero at one position;
+        ``"mc"`` draws a label at every position (cross-position terms vanish
+        in expectation); ``"empirical"`` has one column per example, the
+        gradient of that sequence's own (weighted) mean loss.
+
+        `columns`: ``(start, stop)`` builds only those factors (the exact
+        kind's T*C columns are made chunk by chunk, never all at once).
 
         The per-example gradient of direction ``c_jn`` is ``J_n^T c_jn``.
         """
@@ -172,71 +205,100 @@ class ModelFunctions:
         shape = tuple(int(d) for d in z.shape)
         n, num_classes = shape[0], shape[-1]
         positions = int(np.prod(shape[1:-1], dtype=np.int64))
+        k = self.num_factor_columns(kind, shape, num_samples)
+        start, stop = (0, k) if columns is None else (int(columns[0]), int(columns[1]))
+        s = self.token_scale(z, sw)
         if kind == "empirical":
             if y is None:
                 raise ValueError('Fisher kind "empirical" needs the data labels `y`.')
             r = self.output_gradient(z, y)
-            return (r if positions == 1 else r / float(positions))[None]
-        if kind == "exact" and self.spec.squared_error:
-            # Keras' mean_squared_error averages the last axis: Hessian 2/C I.
-            eye = ops.eye(num_classes, dtype=z.dtype) * float((2.0 / num_classes) ** 0.5)
-            base = ops.broadcast_to(eye[:, None, :], (num_classes, n * positions, num_classes))
-            return self._per_position(ops.reshape(base, (num_classes, n, positions, num_classes)), shape)
-        p = ops.exp(ops.log_softmax(z, axis=-1))
-        eye = ops.eye(num_classes, dtype=z.dtype)
+            if sw is None:
+                out = r if positions == 1 else r / float(positions)
+            else:
+                # c_nt = w_nt r_nt / sqrt(W_n): sum_n c c^T = sum_n W_n g_n g_n^T,
+                # g_n the gradient of sequence n's weighted mean loss.
+                w = ops.cast(sw, z.dtype)
+                per = ops.reshape(w, (n, -1))
+                total = ops.sum(per, axis=1)
+                inv = ops.where(total > 0, 1.0 / ops.sqrt(ops.where(total > 0, total, ops.ones_like(total))), ops.zeros_like(total))
+                out = r * ops.expand_dims(w * ops.reshape(inv, (n,) + (1,) * (len(shape) - 2)), -1)
+            return out[None][start:stop]
+        s_col = ops.expand_dims(s, -1)
         if kind == "exact":
-            flat = ops.reshape(p, (n * positions, num_classes))
-            base = ops.sqrt(ops.transpose(flat))[:, :, None] * (eye[:, None, :] - flat[None])
+            q = np.arange(start, stop)
+            pos, cls = q // num_classes, q % num_classes
+            flat_s = ops.reshape(s, (n, positions))
+            if self.spec.squared_error:
+                # Keras' mean_squared_error averages the last axis: Hessian 2/C I.
+                vals = _rows_of_eye(cls, num_classes, z.dtype)[:, None, :] * float((2.0 / num_classes) ** 0.5)
+                vals = vals * ops.transpose(ops.take(flat_s, _ids(pos), axis=1))[:, :, None]
+            else:
+                p = ops.exp(ops.log_softmax(ops.reshape(z, (n, positions, num_classes)), axis=-1))
+                pt = ops.transpose(ops.take(p, _ids(pos), axis=1), (1, 0, 2))  # (k, N, C): p at each column's position
+                onehot = _rows_of_eye(cls, num_classes, z.dtype)[:, None, :]
+                pj = ops.sum(pt * onehot, axis=-1, keepdims=True)
+                vals = ops.sqrt(pj) * (onehot - pt) * ops.transpose(ops.take(flat_s, _ids(pos), axis=1))[:, :, None]
             if positions == 1:
-                return ops.reshape(base, (num_classes,) + shape)
-            return self._per_position(ops.reshape(base, (num_classes, n, positions, num_classes)), shape)
+                return ops.reshape(vals, (len(q),) + shape)
+            at = ops.one_hot(_ids(pos), positions, dtype=z.dtype)  # (k, T)
+            spread = at[:, None, :, None] * vals[:, :, None, :]
+            return ops.reshape(spread, (len(q),) + shape)
+        p = ops.exp(ops.log_softmax(z, axis=-1))
         rows = ops.add(ops.arange(0, n, dtype="int32"), ops.cast(offset, "int32"))
         if positions > 1:  # a draw per position: row (example, position)
             rows = ops.reshape(rows[:, None] * positions + ops.arange(0, positions, dtype="int32")[None], (-1,))
         # The draw and the comparison in float32 at least: 24-bit uniforms
         # overflow float16, and every backend must see the same numbers.
         udtype = "float64" if keras.backend.standardize_dtype(z.dtype) == "float64" else "float32"
-        u = _probes.uniform_from_key(key, rows, ops.arange(0, int(num_samples), dtype="int32"), udtype)
+        u = _probes.uniform_from_key(key, rows, ops.arange(start, stop, dtype="int32"), udtype)
         cdf = ops.cumsum(ops.cast(ops.reshape(p, (n * positions, num_classes)), udtype), axis=-1)
         labels = ops.sum(ops.cast(ops.greater(u[:, :, None], cdf[:, None, :]), "int32"), axis=-1)
         labels = ops.minimum(labels, num_classes - 1)
-        onehot = ops.reshape(ops.one_hot(ops.transpose(labels), num_classes, dtype=z.dtype), (int(num_samples),) + shape)
-        return (onehot - p[None]) / ops.convert_to_tensor(float(num_samples * positions) ** 0.5, dtype=z.dtype)
+        onehot = ops.reshape(ops.one_hot(ops.transpose(labels), num_classes, dtype=z.dtype), (stop - start,) + shape)
+        return (onehot - p[None]) * s_col[None] / ops.convert_to_tensor(float(num_samples) ** 0.5, dtype=z.dtype)
 
-    @staticmethod
-    def _per_position(base, shape):
-        """``(C, N, T, C)`` per-position factors (each position's Hessian
-        square root) as ``(T*C, N, ...)`` columns, column ``(t, j)`` non-zero
-        at position t only, scaled by ``1/sqrt(T)`` (the mean over positions)."""
-        c, n, positions, _ = (int(d) for d in base.shape)
-        if positions == 1:
-            return ops.reshape(base, (c,) + shape)
-        spread = ops.einsum("ts,jntc->tjnsc", ops.eye(positions, dtype=base.dtype), base)
-        spread = spread / ops.convert_to_tensor(float(positions) ** 0.5, dtype=base.dtype)
-        return ops.reshape(spread, (positions * c,) + shape)
-
-    def ggn_surrogate_of(self, params, nt, x, y, key, offset, kind="exact", num_samples=1):
-        """Batch-mean surrogate whose Hessian is the GGN of `kind`:
-        ``1/(2N) sum_jn (c_jn . (z_n - sg z_n))^2``; its value and gradient
-        vanish at the point, its Hessian is ``1/N sum_jn J^T c c^T J``."""
+    def ggn_surrogate_of(self, params, nt, x, y, key, offset, kind="exact", num_samples=1, sw=None):
+        """Batch surrogate whose Hessian is the GGN of `kind`: ``1/2 sum_n
+        dz_n^T Q_n dz_n`` over ``dz = z - sg z``, divided by N (without
+        `sw`), with ``Q_n = sum_j c_jn c_jn^T`` (``output_factors``); its
+        value and gradient vanish at the point, its Hessian is ``1/N sum_n
+        J_n^T Q_n J_n``. The exact kind is written in closed form, ``Q =
+        s^2 (diag p - p p^T)`` per token (``2 s^2 / C I`` for the squared
+        error), at the cost of C, not C^2, per token."""
         z = self.logits(params, nt, x)
-        c = self.output_factors(kind, z, y, key, offset, num_samples)
         dz = z - ops.stop_gradient(z)
-        proj = ops.sum(c * dz[None], axis=-1)
-        return 0.5 * ops.sum(ops.square(proj)) / ops.cast(ops.shape(z)[0], z.dtype)
+        norm = 1.0 if sw is not None else ops.cast(ops.shape(z)[0], z.dtype)
+        if kind == "exact":
+            s2 = ops.square(self.token_scale(z, sw))
+            if self.spec.squared_error:
+                quad = ops.sum(ops.square(dz), axis=-1) * (2.0 / int(z.shape[-1]))
+            else:
+                p = ops.stop_gradient(ops.exp(ops.log_softmax(z, axis=-1)))
+                quad = ops.sum(p * ops.square(dz), axis=-1) - ops.square(ops.sum(p * dz, axis=-1))
+            return 0.5 * ops.sum(s2 * quad) / norm
+        c = self.output_factors(kind, z, y, key, offset, num_samples, sw)
+        # A factor spans an example's positions (Monte-Carlo labels at every
+        # token, an empirical gradient of the whole sequence): project each
+        # example's whole output before squaring.
+        proj = ops.sum(ops.reshape(c * dz[None], (int(c.shape[0]), int(c.shape[1]), -1)), axis=-1)
+        return 0.5 * ops.sum(ops.square(proj)) / norm
 
-    def residual_surrogate(self, params, nt, x, y):
-        """Batch-mean ``1/N sum_n sg(r_n) . z_n`` plus regularisers: its
-        Hessian is ``H - GGN``, the loss Hessian's second-order term
-        ``1/N sum_nk r_nk grad^2 z_nk`` (exact when the loss's Hessian in the
-        logits is ``diag p - p p^T``, as for cross-entropy with labels that
-        sum to one)."""
+    def residual_surrogate(self, params, nt, x, y, sw=None):
+        """Batch ``sum_nt s_nt^2 sg(r_nt) . z_nt`` (divided by N without
+        `sw`) plus regularisers: its Hessian is ``H - GGN``, the loss
+        Hessian's second-order term ``sum_nt s_nt^2 sum_k r_ntk grad^2
+        z_ntk`` (exact when the loss's Hessian in the logits is ``diag p - p
+        p^T``, as for cross-entropy with labels that sum to one)."""
         y_pred, losses = self.outputs(params, nt, x)
         z = self.spec.logits(y_pred)
         r = self.output_gradient(z, y)
-        value = ops.sum(r * z) / ops.cast(ops.shape(z)[0], z.dtype)
+        s2 = ops.square(self.token_scale(z, sw))
+        value = ops.sum(ops.expand_dims(s2, -1) * r * z)
+        if sw is None:
+            value = value / ops.cast(ops.shape(z)[0], z.dtype)
         if self.include_regularization and losses:
-            value = value + ops.sum(ops.stack([ops.cast(l, value.dtype) for l in losses]))
+            reg = ops.sum(ops.stack([ops.cast(l, value.dtype) for l in losses]))
+            value = value + (reg if sw is None else reg * ops.sum(ops.cast(sw, value.dtype)))
         return value
 
     # ------------------------------------------------------ kernels ----
@@ -248,30 +310,56 @@ class ModelFunctions:
             self._kernels[key] = backend.compile(functools.partial(fn, **static) if static else fn)
         return self._kernels[key]
 
-    def _k_hvp_batched(self, params, nt, vectors, x, y):
-        return backend.hvp_batched(self.loss, params, vectors, nt, x, y)
+    def _k_hvp_batched(self, params, nt, vectors, x, y, sw=None):
+        return backend.hvp_batched(self.loss, params, vectors, nt, x, y, sw)
 
-    def _k_ggn_batched(self, params, nt, vectors, x, y, key, offset, kind="exact", num_samples=1):
-        return backend.hvp_batched(self.ggn_surrogate_of, params, vectors, nt, x, y, key, offset, kind, num_samples)
+    def _k_ggn_batched(self, params, nt, vectors, x, y, key, offset, kind="exact", num_samples=1, sw=None):
+        return backend.hvp_batched(self.ggn_surrogate_of, params, vectors, nt, x, y, key, offset, kind, num_samples, sw)
 
-    def _k_residual_batched(self, params, nt, vectors, x, y):
-        return backend.hvp_batched(self.residual_surrogate, params, vectors, nt, x, y)
+    def _k_residual_batched(self, params, nt, vectors, x, y, sw=None):
+        return backend.hvp_batched(self.residual_surrogate, params, vectors, nt, x, y, sw)
 
-    def _k_loss_and_grad(self, params, nt, x, y):
-        return backend.value_and_grad(self.loss, params, nt, x, y)
+    def _k_loss_and_grad(self, params, nt, x, y, sw=None):
+        return backend.value_and_grad(self.loss, params, nt, x, y, sw)
 
-    def _k_per_example_grads(self, params, nt, x, y):
-        def f(p, xi, yi):
+    def _k_per_example_grads(self, params, nt, x, y, sw=None):
+        # Each example's own (weighted) mean loss over its positions.
+        def f(p, xi, yi, wi):
             y_pred, _ = self.outputs(p, nt, xi)
-            return mean(self.spec.per_example(yi, y_pred))
+            values = self.spec.per_example(yi, y_pred)
+            if wi is None:
+                return mean(values)
+            wi = ops.cast(wi, values.dtype)
+            total = ops.sum(wi)
+            return ops.sum(values * wi) / ops.where(total > 0, total, ops.ones_like(total))
 
-        return backend.per_example_grads(f, params, x, y)
+        if sw is None:
+            return backend.per_example_grads(lambda p, xi, yi: f(p, xi, yi, None), params, x, y)
+        return backend.per_example_grads(f, params, x, y, sw)
 
     def _k_per_example_nll_grads(self, params, nt, x, labels):
         return backend.per_example_grads(lambda p, xi, li: self.nll(p, nt, xi, li), params, x, labels)
 
     def _k_probs(self, params, nt, x):
         return ops.exp(self.log_probs(params, nt, x))
+
+    def _k_output_mask(self, params, nt, x):
+        from keras_geosam.curvature.weights import output_mask
+
+        y_pred, _ = self.outputs(params, nt, x)
+        mask = output_mask(y_pred)
+        shape = ops.shape(y_pred)[:-1]
+        return ops.ones(shape, dtype=y_pred.dtype) if mask is None else ops.cast(ops.reshape(mask, shape), y_pred.dtype)
+
+
+def _ids(values):
+    """A NumPy array of indices as an int32 tensor."""
+    return ops.convert_to_tensor(np.asarray(values, dtype="int32"))
+
+
+def _rows_of_eye(rows, size, dtype):
+    """Rows `rows` (NumPy ints) of the ``size x size`` identity."""
+    return ops.one_hot(_ids(rows), size, dtype=dtype)
 
 
 def model_functions(model, loss=None, training=False, include_regularization=True):
@@ -315,23 +403,26 @@ def model_functions(model, loss=None, training=False, include_regularization=Tru
 
 
 # ------------------------------------------------------------ data ------
-def check_data(x, y=None, labels_needed=True):
+def check_data(x, y=None, labels_needed=True, sample_weight=None):
     """Validates curvature data; returns ``(x, y)``.
 
-    Raises ``ValueError`` for datasets/generators (pass arrays; memory is
-    bounded by ``batch_size``), missing labels where needed, x and y of
-    different lengths, and non-finite inputs (which would give NaN curvature
-    or a Fisher that looks zero).
+    Raises ``ValueError`` for datasets, data loaders and generators (named;
+    pass arrays, and bound memory with ``batch_size``), missing labels where
+    needed, x, y and `sample_weight` of different lengths, and non-finite
+    inputs (which would give NaN curvature or a Fisher that looks zero).
     """
-    for name, a in (("x", x), ("y", y)):
+    for name, a in (("x", x), ("y", y), ("sample_weight", sample_weight)):
         if a is None:
             continue
-        items = a if isinstance(a, (list, tuple)) else [a]
+        items = a if isinstance(a, (list, tuple)) and name == "x" else [a]
         for item in items:
             if not hasattr(item, "shape") or not hasattr(item, "dtype"):
+                if name == "sample_weight" and isinstance(item, (list, tuple)):
+                    continue
                 raise ValueError(
                     f"{name} must be an array or tensor (or a list of them for several inputs); got "
-                    f"{type(item).__name__}. Datasets and generators are not taken: pass arrays, "
+                    f"{_describe(item)}. Datasets and generators are not taken: pass arrays (for a "
+                    "tf.data.Dataset, e.g. `x, y = map(np.concatenate, zip(*ds.as_numpy_iterator()))`), "
                     "and use batch_size to bound memory."
                 )
     if y is None and labels_needed:
@@ -343,6 +434,8 @@ def check_data(x, y=None, labels_needed=True):
                 raise ValueError(f"The inputs in x differ in length ({int(ops.shape(item)[0])} vs {n}).")
     if y is not None and int(ops.shape(y)[0]) != n:
         raise ValueError(f"x and y differ in length: {n} inputs, {int(ops.shape(y)[0])} labels.")
+    if sample_weight is not None and len(sample_weight) != n:
+        raise ValueError(f"x and sample_weight differ in length: {n} inputs, {len(sample_weight)} weights.")
     for item in x if isinstance(x, (list, tuple)) else [x]:
         if keras.backend.is_float_dtype(keras.backend.standardize_dtype(item.dtype)):
             finite = np.all(np.isfinite(item)) if isinstance(item, np.ndarray) else bool(ops.convert_to_numpy(ops.all(ops.isfinite(item))))
@@ -351,9 +444,30 @@ def check_data(x, y=None, labels_needed=True):
     return x, y
 
 
+def _describe(item):
+    """Names what a data argument is when it is not an array."""
+    cls = type(item)
+    where = f"{cls.__module__}.{cls.__qualname__}"
+    if "tensorflow" in cls.__module__ and "data" in cls.__module__:
+        return f"a tf.data.Dataset ({where})"
+    if "torch.utils.data" in cls.__module__:
+        return f"a torch DataLoader or Dataset ({where})"
+    if isinstance(item, keras.utils.PyDataset):
+        return f"a keras.utils.PyDataset ({where})"
+    if hasattr(item, "__next__") or hasattr(item, "gi_frame"):
+        return f"a generator or iterator ({where})"
+    return where
+
+
 def check_labels(fns, x, y):
-    """Integer labels of a sparse cross-entropy must lie in [0, classes):
-    outside it some backends return numbers (JAX gathers clamp)."""
+    """Labels must fit the model's outputs (``weights.check_label_shape``:
+    a sequence model's labels have its positions), and integer labels of a
+    sparse cross-entropy must lie in [0, classes): outside it some backends
+    return numbers (JAX gathers clamp)."""
+    from keras_geosam.curvature.weights import check_label_shape
+    from keras_geosam.curvature.weights import output_shape
+
+    check_label_shape(fns, x, y)
     if y is None or not (fns.spec.classifier and fns.spec.sparse):
         return
     labels = np.asarray(ops.convert_to_numpy(y))
@@ -361,11 +475,7 @@ def check_labels(fns, x, y):
         return
     if not np.issubdtype(labels.dtype, np.integer) and not np.all(np.mod(labels, 1) == 0):
         raise ValueError("Sparse cross-entropy labels must be integers (class ids).")
-    shape = getattr(fns.model, "output_shape", None)
-    classes = shape[-1] if isinstance(shape, tuple) and shape and shape[-1] else None
-    if classes is None:
-        first = x[:1] if not isinstance(x, (list, tuple)) else type(x)(e[:1] for e in x)
-        classes = int(ops.shape(fns.outputs(fns.params(), fns.non_trainable(), first)[0])[-1])
+    classes = output_shape(fns, x)[-1]
     low, high = labels.min(), labels.max()
     if low < 0 or high >= classes:
         raise ValueError(f"Labels must lie in [0, {classes}) for this {classes}-class model; got values in [{low}, {high}].")

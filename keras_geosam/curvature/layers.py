@@ -109,13 +109,41 @@ class Rule:
     def cast_rows(self, rows, dtype):
         return ops.cast(rows, dtype)
 
-    def input_factor(self, a, approximation):
+    def input_factor(self, a, approximation, rw=None):
         """``(sum of a a^T, count)``: over examples and positions
-        (``"expand"``), or of each example's mean row (``"reduce"``)."""
+        (``"expand"``), or of each example's mean row (``"reduce"``). With
+        row weights `rw` ``(N, T)``: weighted sums, the count the weights'
+        sum (``"reduce"``: each example's weighted mean row, weighted by the
+        example's total)."""
+        if rw is not None:
+            rw = ops.cast(rw, a.dtype)
+            if approximation == "reduce":
+                total = ops.sum(rw, axis=1)
+                abar = ops.einsum("nt,ntm->nm", rw, a)  # = total * weighted mean row
+                inv = ops.where(total > 0, 1.0 / ops.where(total > 0, total, ops.ones_like(total)), ops.zeros_like(total))
+                return ops.einsum("nm,nl->ml", abar * inv[:, None], abar), ops.sum(total)
+            return ops.einsum("ntm,nt,ntl->ml", a, rw, a), ops.sum(rw)
         if approximation == "reduce":
             abar = ops.sum(a, axis=1) / ops.cast(ops.shape(a)[1], a.dtype)
             return ops.einsum("nm,nl->ml", abar, abar), int(a.shape[0])
         return ops.einsum("ntm,ntl->ml", a, a), int(a.shape[0]) * int(a.shape[1])
+
+    def input_rows(self, a, approximation, rw=None):
+        """``(R, count)`` with ``R^T R`` the sum :meth:`input_factor` forms:
+        the factor's rows, for a layer wider than its rows are many (the
+        Gram matrix ``R R^T`` is then the cheaper one to decompose)."""
+        m = int(a.shape[-1])
+        if approximation == "reduce":
+            if rw is None:
+                return ops.sum(a, axis=1) / float(int(a.shape[1])), int(a.shape[0])
+            rw = ops.cast(rw, a.dtype)
+            total = ops.sum(rw, axis=1)
+            inv = ops.where(total > 0, 1.0 / ops.sqrt(ops.where(total > 0, total, ops.ones_like(total))), ops.zeros_like(total))
+            return ops.einsum("nt,ntm->nm", rw, a) * inv[:, None], ops.sum(total)
+        if rw is None:
+            return ops.reshape(a, (-1, m)), int(a.shape[0]) * int(a.shape[1])
+        rw = ops.cast(rw, a.dtype)
+        return ops.reshape(a * ops.sqrt(rw)[:, :, None], (-1, m)), ops.sum(rw)
 
     def squared_gradients(self, a, d):
         """``sum_jn (sum_t a_nt d_jnt^T)^2``, shape (m, n)."""
@@ -353,14 +381,26 @@ class EmbeddingRule(Rule):
     def _same(ids, dtype):
         return ops.cast(ops.equal(ids[:, :, None], ids[:, None, :]), dtype)
 
-    def input_factor(self, ids, approximation):
+    def input_factor(self, ids, approximation, rw=None):
         n, t = int(ids.shape[0]), int(ids.shape[1])
+        dtype = self.kernel.dtype
+        if rw is not None:
+            rw = ops.cast(rw, dtype)
+            if approximation == "reduce":
+                # diag sum_n abar abar^T R_n with abar_v = c_nv / R_n, c_nv the
+                # weighted count of token v in example n, R_n its total: each
+                # of the example's tokens adds rw_nt c_nv / R_n^2 * R_n.
+                total = ops.sum(rw, axis=1, keepdims=True)
+                inv = ops.where(total > 0, 1.0 / ops.where(total > 0, total, ops.ones_like(total)), ops.zeros_like(total))
+                counts = ops.einsum("ntu,nu->nt", self._same(ids, dtype), rw)
+                return self._scatter((rw * counts * inv)[:, :, None], ids)[:, 0], ops.sum(total)
+            return self._scatter(rw[:, :, None], ids)[:, 0], ops.sum(rw)
         if approximation == "reduce":
             # diag of mean_n abar abar^T: sum_n (c_nv / T)^2, with c_nv the
             # count of token v in example n (= the mask's row sums there).
-            counts = ops.sum(self._same(ids, self.kernel.dtype), axis=-1)
+            counts = ops.sum(self._same(ids, dtype), axis=-1)
             return self._scatter((counts / float(t * t))[:, :, None], ids)[:, 0], n
-        ones = ops.ones((n, t, 1), dtype=self.kernel.dtype)
+        ones = ops.ones((n, t, 1), dtype=dtype)
         return self._scatter(ones, ids)[:, 0], n * t
 
     def _summed(self, ids, d):

@@ -21,7 +21,7 @@ from keras import ops
 
 from keras_geosam import backend
 
-STREAMS = {"hutchinson": 1, "lanczos": 2, "sketch": 3, "labels": 4}
+STREAMS = {"hutchinson": 1, "lanczos": 2, "sketch": 3, "labels": 4, "exact-part": 5}
 
 _C1 = -2048144789  # 0x85EBCA6B as int32
 _C2 = -1028477387  # 0xC2B2AE35
@@ -51,6 +51,12 @@ def fmix32(h):
 def key(seed, stream):
     """int32 key of a (seed, stream) pair; seed is any Python integer."""
     return fmix32(ops.bitwise_xor(fmix32(_const(seed)), _const(STREAMS[stream] * _C3)))
+
+
+def subkey(k, index):
+    """The `index`-th key derived from key `k` (independent draws from one
+    seed, e.g. the groups of a sampled exact part)."""
+    return fmix32(ops.bitwise_xor(k, fmix32(_const((int(index) + 1) * _GOLDEN))))
 
 
 def bits(k, rows, cols):

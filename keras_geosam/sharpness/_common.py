@@ -19,6 +19,25 @@ def require_fisher(model, loss, what):
     require_classifier(model_functions(model, loss).spec, what)
 
 
+def check_inputs(model, x, y, loss=None, sample_weight=None, labels_needed=True):
+    """Validates the data of a sharpness measure before anything is
+    computed, whichever path (probed or exact) follows: arrays (no
+    datasets), equal lengths, finite inputs, labels that fit the outputs
+    (positions included) and are class ids of the model, and weights of the
+    right shape. Returns the model's functions."""
+    from keras_geosam.curvature import weights
+    from keras_geosam.curvature.functional import check_data
+    from keras_geosam.curvature.functional import check_labels
+    from keras_geosam.curvature.functional import model_functions
+
+    fns = model_functions(model, loss, training=False)
+    check_data(x, y, labels_needed=labels_needed, sample_weight=sample_weight)
+    check_labels(fns, x, y)
+    if sample_weight is not None:
+        weights.resolve(fns, x, y, sample_weight, DEFAULT_BATCH_SIZE)
+    return fns
+
+
 def check_rtol(rtol, max_probes):
     if rtol is not None and not (isinstance(rtol, (int, float, np.floating)) and rtol > 0):
         raise ValueError(f"rtol must be a number > 0 or None, got {rtol!r}.")

@@ -15,9 +15,6 @@ import scipy.stats
 from keras import ops
 
 from keras_geosam.curvature import loss_and_gradient
-from keras_geosam.curvature.functional import check_data
-from keras_geosam.curvature.functional import check_labels
-from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.functional import num_examples
 from keras_geosam.curvature.functional import progbar
 from keras_geosam.sharpness import _common
@@ -75,13 +72,17 @@ class Alignment:
     fisher_diagonal: list = dataclasses.field(repr=False, default=None)
 
 
+def _take(x, idx):
+    return [e[idx] for e in x] if isinstance(x, list) else x[idx]
+
+
 def _cos(a, b):
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-300))
 
 
 def gradient_noise_alignment(
     model, x, y, batch_size, num_batches=64, fisher="exact", learning_rate=None,
-    num_samples=1, seed=0, eval_batch_size=_common.DEFAULT_BATCH_SIZE, loss=None, verbose=0,
+    num_samples=1, seed=0, eval_batch_size=_common.DEFAULT_BATCH_SIZE, loss=None, verbose=0, sample_weight=None,
 ):
     """Compares minibatch gradient noise with the Fisher diagonal.
 
@@ -109,6 +110,10 @@ def gradient_noise_alignment(
         loss: loss to use instead of the compiled one. Defaults to `None`.
         verbose: 1 shows a progress bar over the minibatches. Defaults to
             `0`.
+        sample_weight: ``(N,)`` or per-token weights of the loss terms:
+            every gradient (minibatch and full) is then of the weighted mean
+            loss, and the Fisher the weighted mean over tokens. Examples
+            (sequences) are what minibatches draw. Defaults to `None`.
 
     Returns:
         An :class:`Alignment`.
@@ -131,33 +136,36 @@ def gradient_noise_alignment(
     >>> 0 < a.cosine <= 1, round(a.finite_population, 4)
     (True, 0.1429)
     """
-    check_data(x, y)
-    check_labels(model_functions(model, loss), x, y)
+    _common.check_inputs(model, x, y, loss, sample_weight)
     n = num_examples(x)
+    sw = None if sample_weight is None else np.asarray(ops.convert_to_numpy(sample_weight))
     batch_size = _common.check_positive_int("batch_size", batch_size)
     num_batches = _common.check_positive_int("num_batches", num_batches)
     if batch_size >= n:
         raise ValueError(f"batch_size ({batch_size}) must be smaller than the data ({n} examples).")
     rng = np.random.default_rng(seed)
     flat = lambda gs: np.concatenate([np.asarray(ops.convert_to_numpy(g), "float64").ravel() for g in gs])
-    _, g_full = loss_and_gradient(model, x, y, loss=loss, batch_size=eval_batch_size)
+    _, g_full = loss_and_gradient(model, x, y, loss=loss, batch_size=eval_batch_size, sample_weight=sample_weight)
     g_full = flat(g_full)
-    xn = np.asarray(ops.convert_to_numpy(x))
+    xn = [np.asarray(ops.convert_to_numpy(e)) for e in x] if isinstance(x, (list, tuple)) else np.asarray(ops.convert_to_numpy(x))
     yn = np.asarray(ops.convert_to_numpy(y))
     var = np.zeros_like(g_full)
     bar = progbar(num_batches, verbose, "batch")
     for _ in range(num_batches):
         idx = np.sort(rng.choice(n, batch_size, replace=False))
-        _, gb = loss_and_gradient(model, xn[idx], yn[idx], loss=loss)
+        _, gb = loss_and_gradient(model, _take(xn, idx), yn[idx], loss=loss, sample_weight=None if sw is None else sw[idx])
         var += (flat(gb) - g_full) ** 2
         if bar is not None:
             bar.add(1)
     var /= num_batches
-    F = np.concatenate([f.ravel() for f in fisher_diagonal(model, x, y, kind=fisher, num_samples=num_samples, seed=seed, batch_size=eval_batch_size, loss=loss)])
-    emp = np.concatenate([f.ravel() for f in fisher_diagonal(model, x, y, kind="empirical", batch_size=eval_batch_size, loss=loss)])
+    F = np.concatenate([f.ravel() for f in fisher_diagonal(model, x, y, kind=fisher, num_samples=num_samples, seed=seed,
+                                                           batch_size=eval_batch_size, loss=loss, sample_weight=sample_weight)])
+    emp = np.concatenate([f.ravel() for f in fisher_diagonal(model, x, y, kind="empirical", batch_size=eval_batch_size, loss=loss,
+                                                             sample_weight=sample_weight)])
     # Per-example variance of the data loss: regularisers shift every
     # per-example gradient alike, so their mean is taken without them.
-    _, g_data = loss_and_gradient(model, x, y, loss=loss, batch_size=eval_batch_size, include_regularization=False)
+    _, g_data = loss_and_gradient(model, x, y, loss=loss, batch_size=eval_batch_size, include_regularization=False,
+                                  sample_weight=sample_weight)
     C = np.clip(emp - flat(g_data) ** 2, 0, None)
     both = (var > 0) & (F > 0)
     lv, lf = np.log(var[both]), np.log(F[both])

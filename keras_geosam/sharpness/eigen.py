@@ -5,6 +5,7 @@ from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.functional import progbar
 from keras_geosam.curvature.losses import require_classifier
 from keras_geosam.curvature.operators import Hessian
+from keras_geosam.curvature.operators.model import MAX_EXACT_CLASSES
 from keras_geosam.estimators import lanczos
 from keras_geosam.estimators.eigen import DEFAULT_MAX_MEMORY
 from keras_geosam.sharpness import _common
@@ -21,7 +22,7 @@ def _lanczos(op, model, x, max_iter, tol, seed, batch_size, max_memory, verbose)
 
 
 def hessian_max_eigenvalue(model, x, y, max_iter=100, tol=1e-3, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE,
-                           loss=None, max_memory=DEFAULT_MAX_MEMORY, verbose=0):
+                           loss=None, max_memory=DEFAULT_MAX_MEMORY, verbose=0, sample_weight=None):
     """Largest eigenvalue lambda_max of the Hessian of the mean loss.
 
     Lanczos on Hessian-vector products over the data (streamed). The
@@ -41,6 +42,8 @@ def hessian_max_eigenvalue(model, x, y, max_iter=100, tol=1e-3, seed=0, batch_si
         loss: loss to use instead of the compiled one. Defaults to `None`.
         max_memory: bytes the Lanczos basis may hold. Defaults to 1 GiB.
         verbose: 1 shows a progress bar. Defaults to `0`.
+        sample_weight: ``(N,)`` or per-token weights of the loss terms.
+            Defaults to `None`.
 
     Returns:
         An :class:`Estimate` (``info["converged"]`` says whether `tol` was
@@ -64,14 +67,15 @@ def hessian_max_eigenvalue(model, x, y, max_iter=100, tol=1e-3, seed=0, batch_si
     (0.5414, True)
     """
     max_iter = _common.check_positive_int("max_iter", max_iter)
-    model_functions(model, loss, training=False)  # refuses an unbuilt model
-    op = Hessian(model, x, y, loss=loss, batch_size=batch_size)
+    _common.check_inputs(model, x, y, loss, sample_weight)
+    op = Hessian(model, x, y, loss=loss, batch_size=batch_size, sample_weight=sample_weight)
     return _lanczos(op, model, x, max_iter, tol, seed, batch_size, max_memory, verbose)
 
 
 def riemannian_max_eigenvalue(model, x, y, metric="diagonal", fisher="exact", damping=None, max_iter=100, tol=1e-3,
                               num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None,
-                              max_memory=DEFAULT_MAX_MEMORY, verbose=0):
+                              max_memory=DEFAULT_MAX_MEMORY, verbose=0, sample_weight=None,
+                              max_exact_classes=MAX_EXACT_CLASSES, exact_samples=8):
     """Largest eigenvalue of ``M^-1/2 H M^-1/2``: the Riemannian lambda_max.
 
     M is the Fisher metric of :func:`riemannian_sharpness` (``"diagonal"``
@@ -92,6 +96,8 @@ def riemannian_max_eigenvalue(model, x, y, metric="diagonal", fisher="exact", da
             :func:`hessian_max_eigenvalue`.
         num_samples: labels per example for ``fisher="mc"``. Defaults to
             `1`.
+        sample_weight, max_exact_classes, exact_samples: as for
+            :func:`riemannian_sharpness`.
 
     Returns:
         An :class:`Estimate`; ``info`` also holds the metric, the Fisher
@@ -121,9 +127,11 @@ def riemannian_max_eigenvalue(model, x, y, metric="diagonal", fisher="exact", da
     damping = DEFAULT_DAMPING if damping is None else float(damping)
     if not damping >= 0:
         raise ValueError(f"damping must be >= 0, got {damping!r}.")
-    M = fisher_metric(model, x, y, metric, fisher, num_samples, seed, batch_size, loss)
+    _common.check_inputs(model, x, y, loss, sample_weight)
+    M = fisher_metric(model, x, y, metric, fisher, num_samples, seed, batch_size, loss, sample_weight=sample_weight,
+                      max_exact_classes=max_exact_classes, exact_samples=exact_samples)
     S = M.inverse_sqrt(damping, relative=True)
-    op = S @ Hessian(model, x, y, loss=loss, batch_size=batch_size) @ S
+    op = S @ Hessian(model, x, y, loss=loss, batch_size=batch_size, sample_weight=sample_weight) @ S
     est = _lanczos(op, model, x, max_iter, tol, seed, batch_size, max_memory, verbose)
-    est.info.update(metric=metric, fisher=fisher, damping=damping)
+    est.info.update(metric=metric, fisher=fisher, damping=damping, **M.info)
     return est

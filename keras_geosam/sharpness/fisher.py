@@ -25,7 +25,8 @@ from keras_geosam.curvature.operators.model import check_kind
 from keras_geosam.sharpness import _common
 
 
-def fisher_diagonal(model, x, y=None, kind="exact", num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None, verbose=0):
+def fisher_diagonal(model, x, y=None, kind="exact", num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None, verbose=0,
+                    sample_weight=None):
     """Diagonal of the Fisher information (averaged over examples).
 
     Args:
@@ -39,6 +40,9 @@ def fisher_diagonal(model, x, y=None, kind="exact", num_samples=1, seed=0, batch
             ``batch_size x (activations + largest layer)``.
         loss: loss to use instead of the compiled one. Defaults to `None`.
         verbose: unused; kept for a uniform signature. Defaults to `0`.
+        sample_weight: ``(N,)`` or per-token weights of the loss terms
+            (with the model's own mask): the Fisher is then the weighted
+            mean over tokens. Defaults to `None`.
 
     Returns:
         A list of float64 NumPy arrays matching ``model.trainable_variables``.
@@ -69,11 +73,12 @@ def fisher_diagonal(model, x, y=None, kind="exact", num_samples=1, seed=0, batch
     check_kind(kind)
     num_samples = _common.check_positive_int("num_samples", num_samples)
     _common.require_fisher(model, loss, "fisher_diagonal")
-    op = GGN(model, x, y, kind=kind, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size)
+    op = GGN(model, x, y, kind=kind, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size, sample_weight=sample_weight)
     return [np.asarray(ops.convert_to_numpy(d), dtype="float64") for d in op.diagonal()]
 
 
-def dense_fisher(model, x, y=None, kind="exact", num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None, max_params=20000):
+def dense_fisher(model, x, y=None, kind="exact", num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None, max_params=20000,
+                 sample_weight=None):
     """The full Fisher matrix (float64 NumPy, P x P) for small models.
 
     Built from per-example factor gradients, so it is symmetric positive
@@ -84,6 +89,7 @@ def dense_fisher(model, x, y=None, kind="exact", num_samples=1, seed=0, batch_si
             :func:`fisher_diagonal`.
         max_params: refuse models with more parameters. Defaults to
             `20000`.
+        sample_weight: as for :func:`fisher_diagonal`. Defaults to `None`.
 
     Returns:
         A ``(P, P)`` float64 NumPy array, P the number of trainable
@@ -106,6 +112,6 @@ def dense_fisher(model, x, y=None, kind="exact", num_samples=1, seed=0, batch_si
     """
     check_kind(kind)
     _common.require_fisher(model, loss, "dense_fisher")
-    op = GGN(model, x, y, kind=kind, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size)
+    op = GGN(model, x, y, kind=kind, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size, sample_weight=sample_weight)
     G = op.to_dense(max_dim=max_params)
     return (G + G.T) / 2

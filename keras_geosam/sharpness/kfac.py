@@ -22,15 +22,18 @@ from keras_geosam.curvature.operators import KFAC
 from keras_geosam.sharpness import _common
 
 
-def kfac_factors(model, x, y=None, kind="exact", num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None):
+def kfac_factors(model, x, y=None, kind="exact", num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None,
+                 sample_weight=None, approximation="expand"):
     """K-FAC factors ``{kernel path: (A, S)}`` (float64 NumPy) of the Fisher.
 
     Variables not in the result (biases, other layers) get diagonal blocks
     in ``GGN(...).kfac()``.
 
     Args:
-        model, x, y, kind, num_samples, seed, batch_size, loss: as for
-            :func:`fisher_diagonal`.
+        model, x, y, kind, num_samples, seed, batch_size, loss,
+            sample_weight: as for :func:`fisher_diagonal`.
+        approximation: ``"expand"`` or ``"reduce"`` for layers applied at
+            every position (``GGN.kfac``). Defaults to ``"expand"``.
 
     Returns:
         A dict from each covered kernel's variable path to ``(A, S)``:
@@ -52,9 +55,9 @@ def kfac_factors(model, x, y=None, kind="exact", num_samples=1, seed=0, batch_si
     [('kernel', (4, 4), (3, 3))]
     """
     _common.require_fisher(model, loss, "kfac_factors")
-    op = GGN(model, x, y, kind=kind, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size)
+    op = GGN(model, x, y, kind=kind, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size, sample_weight=sample_weight)
     out = {}
-    for path, block in zip(op.fns.paths, op.kfac().blocks):
+    for path, block in zip(op.fns.paths, op.kfac(approximation).blocks):
         if isinstance(block, KFAC):
             out[path] = tuple(np.asarray(ops.convert_to_numpy(t), dtype="float64") for t in (block.A, block.B))
     return out

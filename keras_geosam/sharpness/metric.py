@@ -18,12 +18,14 @@ excluded and counted.
 from keras_geosam.curvature.operators import GGN
 from keras_geosam.curvature.operators import BlockDiagonal
 from keras_geosam.curvature.operators import Diagonal
+from keras_geosam.curvature.operators.model import MAX_EXACT_CLASSES
 from keras_geosam.sharpness import _common
 
 STRUCTURES = ("diagonal", "kfac")
 
 
-def fisher_metric(model, x, y=None, structure="diagonal", fisher="exact", num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None):
+def fisher_metric(model, x, y=None, structure="diagonal", fisher="exact", num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE,
+                  loss=None, sample_weight=None, max_exact_classes=MAX_EXACT_CLASSES, exact_samples=8):
     """The Fisher metric of kind `fisher` with the given block `structure`.
 
     Args:
@@ -34,11 +36,19 @@ def fisher_metric(model, x, y=None, structure="diagonal", fisher="exact", num_sa
             Defaults to ``"diagonal"``.
         fisher: the Fisher kind, ``"exact"``, ``"mc"`` or ``"empirical"``.
             Defaults to ``"exact"``.
+        sample_weight: weights of the loss terms (``(N,)`` or per token).
+            Defaults to `None`.
+        max_exact_classes, exact_samples: above `max_exact_classes` output
+            classes, ``fisher="exact"`` draws `exact_samples` labels per
+            token from the model (one backward column each) instead of one
+            column per class and position; ``M.info`` says so. Defaults to
+            `64` and `8`.
 
     Returns:
         A :class:`~keras_geosam.curvature.BlockDiagonal` operator with one
         block per trainable variable; invert it with
-        ``inverse(damping, relative=True)`` (module doc).
+        ``inverse(damping, relative=True)`` (module doc). Its ``info``
+        names the Fisher computed.
 
     Raises:
         ValueError: if `structure` is unknown, or for the reasons
@@ -61,7 +71,15 @@ def fisher_metric(model, x, y=None, structure="diagonal", fisher="exact", num_sa
     if structure not in STRUCTURES:
         raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}.")
     _common.require_fisher(model, loss, "fisher_metric")
-    G = GGN(model, x, y, kind=fisher, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size)
-    if structure == "kfac":
-        return G.kfac()
-    return BlockDiagonal([Diagonal([d]) for d in G.diagonal()])
+    G = GGN(model, x, y, kind=fisher, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size,
+            sample_weight=sample_weight)
+    info = {"metric_fisher": fisher}
+    if fisher == "exact" and G.num_classes > max_exact_classes:
+        G = G.sampled(exact_samples, G._key)
+        info["metric_fisher"] = (
+            f"mc: {exact_samples} labels per token drawn from the model "
+            f"({G.num_classes} classes > max_exact_classes={max_exact_classes})"
+        )
+    M = G.kfac() if structure == "kfac" else BlockDiagonal([Diagonal([d]) for d in G.diagonal()], paths=G.fns.paths)
+    M.info = info
+    return M

@@ -33,6 +33,7 @@ from keras_geosam.curvature.losses import require_classifier
 from keras_geosam.curvature.operators import EKFAC
 from keras_geosam.curvature.operators import GGN
 from keras_geosam.curvature.operators import Hessian
+from keras_geosam.curvature.operators.model import MAX_EXACT_CLASSES
 from keras_geosam.estimators import Estimate
 from keras_geosam.sharpness import _common
 from keras_geosam.sharpness.linearity import is_piecewise_linear
@@ -57,8 +58,16 @@ def _metric_info(M, Minv, metric):
     num_params = int(sum(int(np.prod(s)) for s in M.shapes))
     nonzero, excluded = [], []
     for b, bi in zip(M.blocks, Minv.blocks):
-        inv = bi.s if isinstance(bi, EKFAC) else bi.values[0]
-        excluded.append(_count(ops.equal(inv, 0)))
+        if isinstance(bi, EKFAC) and bi.null is not None:
+            # A Gram-built block: QA's nonzero columns, then the complement
+            # (one scale, `null`, on (m - rank) * n directions).
+            used = ops.greater(ops.sum(ops.square(bi.QA), axis=0), 0)
+            excluded.append(_count(ops.logical_and(ops.equal(bi.s, 0), used[:, None])))
+            rest = (bi.view[0] - _count(used)) * bi.view[1]
+            excluded.append(rest * ops.cast(ops.equal(bi.null, 0), "int32"))
+        else:
+            inv = bi.s if isinstance(bi, EKFAC) else bi.values[0]
+            excluded.append(_count(ops.equal(inv, 0)))
         nonzero.append(_count(ops.greater(b.diagonal()[0], 0)))
     counts = ops.convert_to_numpy(ops.stack([sum(nonzero), sum(excluded)]))
     return {"num_params": num_params, "num_nonzero_fisher": int(counts[0]), "num_excluded": int(counts[1])}
@@ -67,7 +76,8 @@ def _metric_info(M, Minv, metric):
 def riemannian_sharpness(
     model, x, y, metric="diagonal", fisher="exact", damping=None, num_probes=20, rtol=0.05, max_probes=100,
     num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, split=True, estimator="hutchinson",
-    max_params=4000, rcond=None, loss=None, verbose=0,
+    max_params=4000, rcond=None, loss=None, verbose=0, sample_weight=None, max_exact_classes=MAX_EXACT_CLASSES,
+    exact_samples=8,
 ):
     """Riemannian sharpness ``S_R = tr(M^-1 H)`` at the model's weights.
 
@@ -95,11 +105,27 @@ def riemannian_sharpness(
             epsilons of the model's dtype).
         loss: loss to use instead of the compiled one. Defaults to `None`.
         verbose: 1 shows a progress bar over the probes. Defaults to `0`.
+        sample_weight: ``(N,)`` or per-token weights of the loss terms
+            (with the model's own mask; ``keras_geosam.curvature.weights``).
+            Defaults to `None`.
+        max_exact_classes: above this many output classes (a language
+            model's vocabulary), ``fisher="exact"`` quantities sample labels
+            from the model instead of one backward column per class and
+            position: the metric from `exact_samples` labels per token, the
+            GGN part as the mean of `exact_samples` independent draws, with
+            its standard error. Defaults to `64`.
+        exact_samples: labels per token above `max_exact_classes` (>= 2).
+            Defaults to `8`.
 
     Returns:
         An :class:`Estimate`; ``info`` holds the metric, damping, excluded
-        parameters and which parts were exact (``exact_part``, ``residual``,
-        ``residual_exact``).
+        parameters and the two parts with their standard errors:
+        ``exact_part`` / ``exact_part_stderr`` (``tr(M^-1 GGN)``) and
+        ``residual`` / ``residual_stderr`` (``tr(M^-1 (H - GGN))``), whether
+        the residual was exact and whether `rtol` was reached. A residual
+        larger than the GGN part, or an unmet `rtol`, gives one
+        ``RuntimeWarning`` that says which, what it means and what to do
+        (also in ``info["residual_warning"]``).
 
     Raises:
         ValueError: if `metric` or `estimator` is unknown, `num_probes` or
@@ -133,23 +159,28 @@ def riemannian_sharpness(
         raise ValueError(f"damping must be >= 0, got {damping!r}.")
     fns = model_functions(model, loss, training=False)
     require_classifier(fns.spec, "riemannian_sharpness")
+    _common.check_inputs(model, x, y, loss, sample_weight)
     _common.warn_if_tiny(x)
     if metric == "exact":
-        return _exact(model, fns, x, y, fisher, damping or 0.0, num_samples, seed, batch_size, max_params, loss, rcond)
+        return _exact(model, fns, x, y, fisher, damping or 0.0, num_samples, seed, batch_size, max_params, loss, rcond, sample_weight)
     damping = DEFAULT_DAMPING if damping is None else float(damping)
-    M = fisher_metric(model, x, y, metric, fisher, num_samples, seed, batch_size, loss)
+    M = fisher_metric(model, x, y, metric, fisher, num_samples, seed, batch_size, loss, sample_weight=sample_weight,
+                      max_exact_classes=max_exact_classes, exact_samples=exact_samples)
     Minv = M.inverse(damping, relative=True, rcond=rcond)
 
     def Mis():  # only the probed parts need it
         return M.inverse_sqrt(damping, relative=True, rcond=rcond)
 
     info = {"metric": metric, "fisher": fisher, "damping": damping, "damping_relative_to": "each block's mean eigenvalue"}
+    info.update(M.info if hasattr(M, "info") else {})
     info.update(_metric_info(M, Minv, metric))
     if split:
-        est = split_trace(model, x, y, Minv, Mis, num_probes, rtol, max_probes, estimator, seed, batch_size, loss, verbose)
+        what = f"riemannian_sharpness (metric={metric!r}, damping={damping:g})"
+        est = split_trace(model, x, y, Minv, Mis, num_probes, rtol, max_probes, estimator, seed, batch_size, loss, verbose,
+                          sample_weight, max_exact_classes, exact_samples, what)
     else:
         S = Mis()
-        op = S @ Hessian(model, x, y, loss=loss, batch_size=batch_size) @ S
+        op = S @ Hessian(model, x, y, loss=loss, batch_size=batch_size, sample_weight=sample_weight) @ S
         est = stochastic_trace(op, estimator, num_probes, rtol, max_probes, seed, 0.0, fns.paths, verbose)
         est.info.update(_common.data_info(x, batch_size), split=False)
     est.info.update(info)
@@ -174,7 +205,7 @@ def riemannian_sharpness(
     return est
 
 
-def _exact(model, fns, x, y, fisher, damping, num_samples, seed, batch_size, max_params, loss, rcond):
+def _exact(model, fns, x, y, fisher, damping, num_samples, seed, batch_size, max_params, loss, rcond, sample_weight=None):
     shapes = [tuple(v.shape) for v in fns.variables]
     dim = sum(int(np.prod(s)) for s in shapes)
     if dim > max_params:
@@ -183,9 +214,10 @@ def _exact(model, fns, x, y, fisher, damping, num_samples, seed, batch_size, max
             f"{dim} parameters > max_params={max_params}. Use metric='diagonal' "
             f"or 'kfac', or raise max_params."
         )
-    G = GGN(model, x, y, kind=fisher, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size).to_dense(max_dim=max_params)
+    G = GGN(model, x, y, kind=fisher, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size,
+            sample_weight=sample_weight).to_dense(max_dim=max_params)
     G = (G + G.T) / 2
-    H = Hessian(model, x, y, loss=loss, batch_size=batch_size).to_dense(max_dim=max_params)
+    H = Hessian(model, x, y, loss=loss, batch_size=batch_size, sample_weight=sample_weight).to_dense(max_dim=max_params)
     H = (H + H.T) / 2
     evals, evecs = np.linalg.eigh(G)
     lam = damping * max(float(np.mean(np.clip(evals, 0, None))), 0.0)

@@ -13,11 +13,16 @@ Elsewhere (smooth activations) the residual is small near minima, and
 total.
 """
 
+import warnings
+
+import numpy as np
+
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.functional import progbar
 from keras_geosam.curvature.operators import GGN
 from keras_geosam.curvature.operators import GGNResidual
 from keras_geosam.curvature.operators import Hessian
+from keras_geosam.curvature.operators.model import MAX_EXACT_CLASSES
 from keras_geosam.estimators import Estimate
 from keras_geosam.estimators import hutchinson
 from keras_geosam.estimators import hutchpp
@@ -51,44 +56,106 @@ def stochastic_trace(op, estimator, num_probes, rtol, max_probes, seed, shift, p
 
 
 def split_trace(model, x, y, inverse=None, inverse_sqrt=None, num_probes=20, rtol=0.05, max_probes=100,
-                estimator="hutchinson", seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None, verbose=0):
+                estimator="hutchinson", seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None, verbose=0,
+                sample_weight=None, max_exact_classes=MAX_EXACT_CLASSES, exact_samples=8, what="tr H"):
     """``tr(M^-1 H) = tr(M^-1 GGN)`` (exact) ``+ tr(M^-1 (H - GGN))`` (probes).
 
     `inverse` is ``M^-1`` (None: the identity, giving ``tr H``) and
     `inverse_sqrt` ``M^-1/2`` or a function returning it (called only when
     the residual needs probes), used for the symmetric probe form
-    ``z^T M^-1/2 (H - GGN) M^-1/2 z``. Returns an :class:`Estimate` whose
-    ``info`` says which parts were exact.
+    ``z^T M^-1/2 (H - GGN) M^-1/2 z``. Above `max_exact_classes` output
+    classes the GGN part is sampled (``GGN.trace_estimate``) with
+    `exact_samples` draws. Returns an :class:`Estimate` whose ``info``
+    holds both parts with their standard errors (``exact_part``,
+    ``exact_part_stderr``, ``residual``, ``residual_stderr``), whether the
+    residual was exact, and ``rtol_reached``; its ``stderr`` combines both.
+    A residual larger than the GGN part, or an unmet `rtol`, gives one
+    warning that says which (``residual_warning``); `what` names the
+    quantity in it.
     """
     fns = model_functions(model, loss, training=False)
-    exact, parts = GGN(model, x, kind="exact", loss=loss, batch_size=batch_size).trace_with(inverse)
+    G = GGN(model, x, y, kind="exact", loss=loss, batch_size=batch_size, sample_weight=sample_weight)
+    exact, exact_se, parts, ginfo = G.trace_estimate(inverse, max_exact_classes, exact_samples, seed)
     per_layer = dict(zip(fns.paths, parts))
     info = _common.data_info(x, batch_size)
-    info.update(split=True, exact_part=exact)
+    info.update(split=True, exact_part=exact, exact_part_stderr=exact_se, **ginfo)
+    if G.weighted:
+        info["total_weight"] = G.total_weight
     if is_layerwise_linear(model) and not _has_regularization(fns, x):
         info.update(
-            residual=0.0, residual_stderr=0.0, residual_exact=True,
+            residual=0.0, residual_stderr=0.0, residual_exact=True, rtol_reached=True,
             parts="tr(M^-1 GGN) exact; residual tr(M^-1 (H - GGN)) = 0 exactly (layerwise-linear network)",
         )
-        return Estimate(value=exact, stderr=0.0, num_samples=0, per_layer=per_layer, info=info)
-    op = GGNResidual(model, x, y, loss=loss, batch_size=batch_size)
+        return Estimate(value=exact, stderr=exact_se, num_samples=0, per_layer=per_layer, info=info)
+    op = GGNResidual(model, x, y, loss=loss, batch_size=batch_size, sample_weight=sample_weight)
     if callable(inverse_sqrt):
         inverse_sqrt = inverse_sqrt()
     if inverse_sqrt is not None:
         op = inverse_sqrt @ op @ inverse_sqrt
-    est = stochastic_trace(op, estimator, num_probes, rtol, max_probes, seed, exact, fns.paths, verbose)
+    with warnings.catch_warnings():
+        # An unmet rtol is reported below, with the parts that explain it.
+        warnings.filterwarnings("ignore", message="Hutchinson: relative standard error", category=RuntimeWarning)
+        est = stochastic_trace(op, estimator, num_probes, rtol, max_probes, seed, exact, fns.paths, verbose)
     info.update(est.info)
+    residual, residual_se = est.value - exact, est.stderr
+    stderr = float(np.hypot(residual_se, exact_se))
+    reached = rtol is None or estimator != "hutchinson" or stderr <= rtol * abs(est.value)
     info.update(
-        residual=est.value - exact, residual_stderr=est.stderr, residual_exact=False,
-        parts=f"tr(M^-1 GGN) exact; residual tr(M^-1 (H - GGN)) by {info['estimator']}",
+        residual=residual, residual_stderr=residual_se, residual_exact=False, rtol_reached=bool(reached),
+        parts=f"tr(M^-1 GGN) {'sampled' if ginfo['exact_part_sampled'] else 'exact'}; "
+              f"residual tr(M^-1 (H - GGN)) by {info['estimator']}",
     )
     est.info = info
+    est.stderr = stderr
     est.per_layer = {p: per_layer[p] + est.per_layer.get(p, 0.0) for p in fns.paths}
+    message = residual_diagnosis(est, what, rtol, max_probes)
+    if message:
+        info["residual_warning"] = message
+        # An unmet rtol stays a RuntimeWarning, as Hutchinson's own; a
+        # resolved residual that outweighs the GGN part is a UserWarning.
+        warnings.warn(message, RuntimeWarning if not info["rtol_reached"] else UserWarning, stacklevel=3)
     return est
 
 
+def residual_diagnosis(est, what, rtol, max_probes):
+    """The words of the one warning a split estimate gets when its residual
+    outweighs its GGN part or its `rtol` was not reached; "" otherwise."""
+    info = est.info
+    exact, residual = info["exact_part"], info["residual"]
+    big = abs(residual) > abs(exact)
+    missed = not info["rtol_reached"]
+    if not (big or missed):
+        return ""
+    riemannian = what != "tr H"
+    said = []
+    if big:
+        said.append(
+            f"the residual {residual:.4g} ± {info['residual_stderr']:.2g} outweighs the GGN part "
+            f"{exact:.4g} ± {info['exact_part_stderr']:.2g}"
+        )
+    if missed:
+        said.append(
+            f"the relative standard error {abs(est.stderr) / max(abs(est.value), 1e-300):.3g} stays above "
+            f"rtol={rtol} after {est.num_samples} probes (max_probes={max_probes})"
+        )
+    if riemannian:
+        meaning = (
+            "H - GGN has curvature, often negative, in directions the Fisher metric barely sees, and M^-1 "
+            "magnifies it there: the value is set by those few directions, not by the Fisher-weighted sharpness"
+        )
+        advice = (
+            "measure nearer convergence (the residual vanishes at a minimum), use more damping (damping=...), "
+            "or read the GGN part (info['exact_part'], SharpnessLogger's '_ggn' key)"
+        )
+    else:
+        meaning = "the Hessian's second-order term (H - GGN) dominates: the model is far from a minimum"
+        advice = "measure nearer convergence, draw more probes (max_probes=...), or read the GGN part (info['exact_part'])"
+    return f"{what}: " + " and ".join(said) + f". This means {meaning}. What to do: {advice}."
+
+
 def hessian_trace(model, x, y, num_probes=20, rtol=0.05, max_probes=100, split=None, estimator="hutchinson",
-                  seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None, verbose=0):
+                  seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None, verbose=0, sample_weight=None,
+                  max_exact_classes=MAX_EXACT_CLASSES, exact_samples=8):
     """Trace of the Hessian of the mean loss.
 
     With ``split`` (default for classifiers): ``tr GGN`` exactly plus the
@@ -109,18 +176,29 @@ def hessian_trace(model, x, y, num_probes=20, rtol=0.05, max_probes=100, split=N
         batch_size: examples per streamed batch. Defaults to `256`.
         loss: loss to use instead of the compiled one. Defaults to `None`.
         verbose: 1 shows a progress bar over the probes. Defaults to `0`.
+        sample_weight: ``(N,)`` or per-token weights of the loss terms
+            (with the model's own mask; ``keras_geosam.curvature.weights``).
+            Defaults to `None`.
+        max_exact_classes: above this many output classes the GGN part is
+            estimated from `exact_samples` sampled labels per token instead
+            of one backward column per class (``GGN.trace_estimate``).
+            Defaults to `64`.
+        exact_samples: draws for a sampled GGN part (>= 2). Defaults to
+            `8`.
 
     Returns:
         An :class:`Estimate`: ``per_layer`` the trace of each variable's
-        diagonal block; ``samples`` the probe values; ``info["exact_part"]``
-        and ``info["residual"]`` when split.
+        diagonal block; ``samples`` the probe values; when split,
+        ``info["exact_part"]`` / ``info["exact_part_stderr"]`` and
+        ``info["residual"]`` / ``info["residual_stderr"]``.
 
     Raises:
         ValueError: if `num_probes` or `max_probes` is not an integer >= 1,
             `rtol` is not positive, `estimator` is unknown, ``split=True``
             meets a loss that is not a cross-entropy, the model is not
-            built, or the data is invalid (lengths differ, non-finite
-            inputs, labels that are not class ids of the model).
+            built, or the data is invalid (not arrays, lengths or sequence
+            lengths differ, non-finite inputs, labels that are not class ids
+            of the model, weights of the wrong shape).
 
     Example:
 
@@ -138,13 +216,14 @@ def hessian_trace(model, x, y, num_probes=20, rtol=0.05, max_probes=100, split=N
     num_probes = _common.check_positive_int("num_probes", num_probes)
     _common.check_rtol(rtol, max_probes)
     check_estimator(estimator)
-    fns = model_functions(model, loss, training=False)
+    fns = _common.check_inputs(model, x, y, loss, sample_weight)
     if split is None:
         split = fns.spec.classifier
     _common.warn_if_tiny(x)
     if split:
-        return split_trace(model, x, y, None, None, num_probes, rtol, max_probes, estimator, seed, batch_size, loss, verbose)
-    op = Hessian(model, x, y, loss=loss, batch_size=batch_size)
+        return split_trace(model, x, y, None, None, num_probes, rtol, max_probes, estimator, seed, batch_size, loss, verbose,
+                           sample_weight, max_exact_classes, exact_samples, "tr H")
+    op = Hessian(model, x, y, loss=loss, batch_size=batch_size, sample_weight=sample_weight)
     est = stochastic_trace(op, estimator, num_probes, rtol, max_probes, seed, 0.0, fns.paths, verbose)
     est.info.update(_common.data_info(x, batch_size), split=False)
     return est

@@ -18,12 +18,16 @@ Hessian-vector product of a surrogate whose Hessian is the wanted matrix):
 Curvature is taken in inference mode (``training=False``) by default.
 """
 
+import copy
+
 import keras
 import numpy as np
 from keras import ops
 
 from keras_geosam import backend
+from keras_geosam._checks import check_int
 from keras_geosam.curvature import probes
+from keras_geosam.curvature import weights as token_weights
 from keras_geosam.curvature.capture import Capture
 from keras_geosam.curvature.functional import batches
 from keras_geosam.curvature.functional import check_data
@@ -42,6 +46,9 @@ from keras_geosam.curvature.operators.structured import Diagonal
 
 KINDS = ("exact", "mc", "empirical")
 DEFAULT_BATCH_SIZE = 256
+# Above this many classes the probe-free exact parts sample labels instead
+# of one backward column per class (a language model's vocabulary).
+MAX_EXACT_CLASSES = 64
 
 
 def check_kind(kind):
@@ -58,45 +65,78 @@ class ModelOperator(LinearOperator):
         loss: loss to use instead of the compiled one.
         batch_size: examples per streamed batch (default 256).
         training: layers in training mode (default False).
+        sample_weight: ``(N,)`` or per-token ``(N,) + positions`` weights;
+            with the model's own mask they make the loss a weighted mean
+            over tokens (``keras_geosam.curvature.weights``).
     """
 
     needs_labels = True
 
-    def __init__(self, model, x, y=None, loss=None, batch_size=None, training=False):
+    def __init__(self, model, x, y=None, loss=None, batch_size=None, training=False, sample_weight=None):
         self.fns = model_functions(model, loss, training)
         super().__init__([tuple(v.shape) for v in self.fns.variables], self.fns.variables[0].dtype)
-        self.x, self.y = check_data(x, y, labels_needed=self.needs_labels)
+        self.x, self.y = check_data(x, y, labels_needed=self.needs_labels, sample_weight=sample_weight)
         check_labels(self.fns, self.x, self.y)
         self.num_examples = num_examples(self.x)
         self.batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
+        weights = token_weights.resolve(self.fns, self.x, self.y, sample_weight, self.batch_size)
+        # Normalised to sum to one: a batch's kernels then return its share
+        # of the whole weighted mean, and nothing is divided afterwards.
+        self.weights = None if weights is None else weights / weights.sum()
+        self.total_weight = None if weights is None else float(weights.sum())
 
-    def batches(self):
-        """Yields ``(x_b, y_b, n_b, offset)``."""
+    @property
+    def weighted(self):
+        return self.weights is not None
+
+    @property
+    def normaliser(self):
+        """What sums over examples are divided by: N, or 1 with weights
+        (normalised to sum to one already)."""
+        return 1 if self.weighted else self.num_examples
+
+    def batches(self, with_labels=True):
+        """Yields ``(x_b, y_b, sw_b, n_b, offset)``: `sw_b` the batch's
+        normalised weights as a tensor, or None without weights."""
         offset = 0
-        for xb, yb, nb in batches(self.x, self.y, self.batch_size):
-            yield xb, yb, nb, offset
+        y = self.y if with_labels else None
+        dtype = keras.backend.standardize_dtype(self.dtype)
+        slices = token_weights.batch_slices(self.weights, self.num_examples, self.batch_size, dtype)
+        for (xb, yb, nb), swb in zip(batches(self.x, y, self.batch_size), slices):
+            yield xb, yb, swb, nb, offset
             offset += nb
 
+    def over_replicas(self, fn, xb, yb, swb, offset):
+        """``fn(x, y, sw, offset, share)`` over the replicas of a
+        tf.distribute strategy (``backend.sum_over_replicas``), summed;
+        `share` the replica's fraction of an unweighted batch (None with
+        weights, whose kernels return their share of the total already)."""
+        if swb is None:
+            return backend.sum_over_replicas(self.fns.model, lambda x, y, o, share: fn(x, y, None, o, share), xb, yb, offset)
+        return backend.sum_over_replicas(self.fns.model, lambda x, ys, o, share: fn(x, ys[0], ys[1], o, None), xb, (yb, swb), offset)
+
     def _mean_over_batches(self, fn):
-        """``sum_b (n_b / N) fn(batch)`` for list-valued `fn`."""
+        """``sum_b (n_b / N) fn(batch)`` for list-valued `fn` (with weights:
+        ``sum_b fn(batch)``, each already its share of the weighted mean)."""
         total = None
-        def share_of(xb, yb, offset, share):
-            out = fn(xb, yb, offset)
+        def share_of(xb, yb, swb, offset, share):
+            out = fn(xb, yb, swb, offset)
             return out if share is None else [o * ops.cast(share, o.dtype) for o in out]
 
-        for xb, yb, nb, offset in self.batches():
-            out = backend.sum_over_replicas(self.fns.model, share_of, xb, yb, offset)
-            w = nb / self.num_examples
-            out = [o * backend.device_constant(np.asarray(w, keras.backend.standardize_dtype(o.dtype))) for o in out]
+        for xb, yb, swb, nb, offset in self.batches():
+            out = self.over_replicas(share_of, xb, yb, swb, offset)
+            if swb is None:
+                w = nb / self.num_examples
+                out = [o * backend.device_constant(np.asarray(w, keras.backend.standardize_dtype(o.dtype))) for o in out]
             total = out if total is None else [t + o for t, o in zip(total, out)]
         return total
 
     def matmat(self, vectors):
         vectors = [ops.convert_to_tensor(v, dtype=self.dtype) for v in self.check(vectors)]
         params, nt = self.fns.params(), self.fns.non_trainable()
-        return self._mean_over_batches(lambda xb, yb, offset: self._matmat_batch(params, nt, vectors, xb, yb, offset))
+        return self._mean_over_batches(lambda xb, yb, swb, offset: self._matmat_batch(params, nt, vectors, xb, yb, swb, offset))
 
-    def _matmat_batch(self, params, nt, vectors, xb, yb, offset):
+    def _matmat_batch(self, params, nt, vectors, xb, yb, swb, offset):
         raise NotImplementedError
 
 
@@ -115,11 +155,15 @@ class Hessian(ModelOperator):
         loss: loss to use instead of the compiled one. Defaults to `None`.
         batch_size: examples per streamed batch. Defaults to `None` (256).
         training: layers in training mode. Defaults to `False`.
+        sample_weight: ``(N,)`` or per-token weights (``(N,) +
+            positions`` of a sequence model's outputs); with the model's
+            own mask they weight the mean loss. Defaults to `None`.
 
     Raises:
         ValueError: if the model is not built or has no loss, or the data
             is invalid (labels missing, lengths differ, non-finite inputs,
-            labels that are not class ids of the model).
+            labels that are not class ids of the model, labels or weights
+            that do not fit the outputs' positions).
 
     Example:
 
@@ -136,8 +180,8 @@ class Hessian(ModelOperator):
     (True, 2.429)
     """
 
-    def _matmat_batch(self, params, nt, vectors, xb, yb, offset):
-        return self.fns.kernel("hvp_batched")(params, nt, vectors, xb, yb)
+    def _matmat_batch(self, params, nt, vectors, xb, yb, swb, offset):
+        return self.fns.kernel("hvp_batched")(params, nt, vectors, xb, yb, swb)
 
 
 class GGNResidual(ModelOperator):
@@ -150,7 +194,7 @@ class GGNResidual(ModelOperator):
     Args:
         model: a built classifier with a categorical cross-entropy loss.
         x, y: data, as for :class:`Hessian`.
-        loss, batch_size, training: as for :class:`Hessian`.
+        loss, batch_size, training, sample_weight: as for :class:`Hessian`.
 
     Raises:
         ValueError: if the loss is not a categorical cross-entropy, or for
@@ -174,12 +218,12 @@ class GGNResidual(ModelOperator):
     True
     """
 
-    def __init__(self, model, x, y, loss=None, batch_size=None, training=False):
-        super().__init__(model, x, y, loss, batch_size, training)
+    def __init__(self, model, x, y, loss=None, batch_size=None, training=False, sample_weight=None):
+        super().__init__(model, x, y, loss, batch_size, training, sample_weight)
         require_classifier(self.fns.spec, "GGNResidual")
 
-    def _matmat_batch(self, params, nt, vectors, xb, yb, offset):
-        return self.fns.kernel("residual_batched")(params, nt, vectors, xb, yb)
+    def _matmat_batch(self, params, nt, vectors, xb, yb, swb, offset):
+        return self.fns.kernel("residual_batched")(params, nt, vectors, xb, yb, swb)
 
 
 class GGN(ModelOperator):
@@ -193,9 +237,10 @@ class GGN(ModelOperator):
     probe-free. ``kg.curvature.Fisher`` is the same class.
 
     Args:
-        model, x, loss, batch_size, training: see :class:`ModelOperator`.
-        y: labels, needed only for ``kind="empirical"``. Defaults to
-            `None`.
+        model, x, loss, batch_size, training, sample_weight: see
+            :class:`ModelOperator`.
+        y: labels, needed only for ``kind="empirical"`` (checked against
+            the outputs whenever given). Defaults to `None`.
         kind: ``"exact"`` | ``"mc"`` | ``"empirical"``. Defaults to
             ``"exact"``.
         num_samples: labels drawn per example for ``"mc"``. Defaults to
@@ -226,12 +271,13 @@ class GGN(ModelOperator):
     'BlockDiagonal'
     """
 
-    def __init__(self, model, x, y=None, kind="exact", num_samples=1, seed=0, loss=None, batch_size=None, training=False):
+    def __init__(self, model, x, y=None, kind="exact", num_samples=1, seed=0, loss=None, batch_size=None, training=False,
+                 sample_weight=None):
         check_kind(kind)
         if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
             raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}.")
         self.needs_labels = kind == "empirical"
-        super().__init__(model, x, y if kind == "empirical" else None, loss, batch_size, training)
+        super().__init__(model, x, y, loss, batch_size, training, sample_weight)
         if kind == "exact":
             require_gauss_newton(self.fns.spec, "GGN (exact)")
         else:
@@ -247,9 +293,9 @@ class GGN(ModelOperator):
             return backend.device_constant(np.int32(offset))
         return ops.cast(offset, "int32")  # a replica's own offset
 
-    def _matmat_batch(self, params, nt, vectors, xb, yb, offset):
+    def _matmat_batch(self, params, nt, vectors, xb, yb, swb, offset):
         kernel = self.fns.kernel("ggn_batched", kind=self.kind, num_samples=self.num_samples)
-        return kernel(params, nt, vectors, xb, yb, self._key, self._offset(offset))
+        return kernel(params, nt, vectors, xb, yb if self.kind == "empirical" else None, self._key, self._offset(offset), sw=swb)
 
     # ------------------------------------------ exact, probe-free parts ----
     @property
@@ -263,11 +309,11 @@ class GGN(ModelOperator):
         (device tensors, not yet divided by N)."""
         params, nt = self.fns.params(), self.fns.non_trainable()
         total = None
-        def sums(xb, yb, offset, _):
-            return self.capture.statistics(params, nt, xb, yb, self._key, self._offset(offset), self.kind, self.num_samples, **options)
+        def sums(xb, yb, swb, offset, _):
+            return self.capture.statistics(params, nt, xb, yb, self._key, self._offset(offset), self.kind, self.num_samples, sw=swb, **options)
 
-        for xb, yb, nb, offset in self.batches():
-            out = backend.sum_over_replicas(self.fns.model, sums, xb, yb, offset)
+        for xb, yb, swb, nb, offset in self.batches(with_labels=self.kind == "empirical"):
+            out = self.over_replicas(sums, xb, yb, swb, offset)
             total = out if total is None else _add_stats(total, out)
         return total
 
@@ -279,17 +325,17 @@ class GGN(ModelOperator):
             raise ValueError(f"to_dense() of a {self.dim}-dimensional operator: raise max_dim (now {max_dim}) to allow it.")
         params, nt = self.fns.params(), self.fns.non_trainable()
         G = np.zeros((self.dim, self.dim))
-        for xb, yb, nb, offset in self.batches():
-            grads = self.capture.factor_gradients(params, nt, xb, yb, self._key, self._offset(offset), self.kind, self.num_samples)
+        for xb, yb, swb, nb, offset in self.batches(with_labels=self.kind == "empirical"):
+            grads = self.capture.factor_gradients(params, nt, xb, yb, self._key, self._offset(offset), self.kind, self.num_samples, swb)
             k = int(ops.shape(grads[0])[0])
             J = np.concatenate([np.asarray(ops.convert_to_numpy(g), "float64").reshape(k * nb, -1) for g in grads], axis=1)
             G += J.T @ J
-        return G / self.num_examples
+        return G / self.normaliser
 
     def diagonal(self):
         """The exact diagonal of this kind (no probes), a list like the variables."""
         stats = self.statistics()
-        return [stats["diag"][i] / ops.cast(self.num_examples, self.dtype) for i in range(len(self.shapes))]
+        return [stats["diag"][i] / ops.cast(self.normaliser, self.dtype) for i in range(len(self.shapes))]
 
     def kfac(self, approximation="expand"):
         """K-FAC approximation of this kind: a :class:`BlockDiagonal` with a
@@ -313,16 +359,44 @@ class GGN(ModelOperator):
         and 2-D view. A tensor of two or more axes without a K-FAC rule
         falls back to a diagonal block, with one warning naming it.
         """
-        stats = self.statistics(kernel_diag=(), factors=True, approximation=approximation)
-        n = ops.cast(self.num_examples, self.dtype)
+        gram = self._gram_rules(approximation)
+        stats = self.statistics(kernel_diag=(), factors=True, approximation=approximation, gram=gram)
+        n = ops.cast(self.normaliser, self.dtype)
         kernels = {}
         for j, rule in enumerate(self.capture.kfac_rules):
             i = self.capture.position[id(rule.kernel)]
+            if j in gram:
+                R = stats["R"][j] / ops.sqrt(stats["rows"][j])
+                kernels[i] = KFAC.from_rows(R, stats["B"][j] / n, self.shapes[i], rule.split)
+                continue
             cls = DiagonalInputKFAC if rule.diagonal_input else KFAC
             kernels[i] = cls(stats["A"][j] / stats["rows"][j], stats["B"][j] / n, self.shapes[i], rule.split)
         warn_diagonal_fallback([(self.fns.paths[i], self.shapes[i]) for i in self.capture.uncovered], "the K-FAC metric")
         blocks = [kernels[i] if i in kernels else Diagonal([stats["diag"][i] / n]) for i in range(len(self.shapes))]
         return BlockDiagonal(blocks, paths=self.fns.paths)
+
+    def _gram_rules(self, approximation):
+        """K-FAC rules whose input factor is built from fewer rows than it is
+        wide (``r < m``: e.g. 256 examples into a 784-wide Dense layer): their
+        rows are kept, and the factor's eigenvectors come from the ``r x r``
+        Gram matrix (``KFAC.from_rows``). Not under tf.distribute, whose
+        replicas would sum row blocks instead of stacking them."""
+        if backend.data_parallel_shards(self.fns.model) > 1:
+            return ()
+        shapes = self.capture.call_shapes(next(iter(batches(self.x, None, self.batch_size)))[0])
+        index = {id(r): i for i, r in enumerate(self.capture.rules)}
+        out = []
+        for j, rule in enumerate(self.capture.kfac_rules):
+            if rule.diagonal_input:
+                continue
+            split = rule.split
+            m = int(np.prod(rule.kernel.shape[:split]))
+            n_out = int(np.prod(rule.kernel.shape[split:]))
+            per_example = sum(int(np.prod(s[1:])) // n_out for s in shapes[index[id(rule)]])
+            r = self.num_examples * (per_example if approximation == "expand" else 1)
+            if r < m:
+                out.append(j)
+        return tuple(out)
 
     def trace_with(self, weight=None):
         """Exact ``tr(weight @ GGN)`` (or ``tr(GGN)`` for ``weight=None``).
@@ -344,7 +418,10 @@ class GGN(ModelOperator):
                     )
                 if (b.QA is None) != self.capture.kfac_rules[kernel_pos[i]].diagonal_input:
                     raise ValueError(f"trace_with: the EKFAC block of variable {i} does not match its layer's K-FAC view.")
-                bases[kernel_pos[i]] = (b.QA, b.QG, b.s)
+                scales, null = b._range_scales()
+                bases[kernel_pos[i]] = (b.QA, b.QG, scales)
+                if null is not None:  # + null * ||g||^2: the plain squared gradients too
+                    diag_rules.append(kernel_pos[i])
             elif i in kernel_pos:
                 diag_rules.append(kernel_pos[i])
         stats = self.statistics(kernel_diag=tuple(diag_rules), bases=bases)
@@ -352,11 +429,65 @@ class GGN(ModelOperator):
         for i, b in enumerate(blocks):
             if isinstance(b, EKFAC):
                 value = stats["quad"][i]
+                if b.null is not None:
+                    value = value + ops.cast(b.null, value.dtype) * ops.sum(stats["diag"][i])
             else:
                 d = stats["diag"][i]
                 value = ops.sum(d) if b is None else ops.sum(d * ops.cast(b.values[0], d.dtype))
-            parts.append(float(ops.convert_to_numpy(value)) / self.num_examples)
+            parts.append(value)
+        # One transfer for every variable's part.
+        values = np.asarray(ops.convert_to_numpy(ops.stack([ops.cast(p, self.dtype) for p in parts])), "float64")
+        parts = [float(v) / self.normaliser for v in values]
         return float(sum(parts)), parts
+
+
+    # ------------------------------------ large output spaces ----
+    @property
+    def num_classes(self):
+        return int(token_weights.output_shape(self.fns, self.x)[-1])
+
+    def sampled(self, num_samples, key):
+        """This operator with Monte-Carlo factors: `num_samples` labels per
+        token drawn with `key` (same data, weights and model)."""
+        other = copy.copy(self)
+        other.kind, other.num_samples, other._key, other._capture = "mc", int(num_samples), key, self._capture
+        other.needs_labels = False
+        return other
+
+    def trace_estimate(self, weight=None, max_exact_classes=MAX_EXACT_CLASSES, num_samples=8, seed=0):
+        """``tr(weight @ GGN)`` for the exact kind, with its standard error.
+
+        Exact (:meth:`trace_with`, stderr 0) when the outputs have at most
+        `max_exact_classes` classes: that costs one backward column per class
+        and position. Above it, ``diag p - p p^T`` of every token is replaced
+        by ``(e_s - p)(e_s - p)^T`` for a label s drawn from the model's
+        softmax, an unbiased estimate: `num_samples` independent draws (each
+        one backward column for every token at once) give the value as
+        their mean and the standard error from their spread.
+
+        Returns ``(value, stderr, per_variable, info)``.
+        """
+        if self.kind != "exact":
+            raise ValueError("trace_estimate is for the exact GGN; use trace_with for the other kinds.")
+        classes = self.num_classes
+        if classes <= max_exact_classes or self.fns.spec.squared_error:
+            value, parts = self.trace_with(weight)
+            return value, 0.0, parts, {"exact_part_sampled": False}
+        num_samples = check_int("num_samples", num_samples, 2)
+        base = probes.key(seed, "exact-part")
+        draws = [self.sampled(1, probes.subkey(base, g)).trace_with(weight) for g in range(num_samples)]
+        totals = np.array([d[0] for d in draws])
+        parts = list(np.mean(np.array([d[1] for d in draws]), axis=0))
+        info = {
+            "exact_part_sampled": True,
+            "exact_part_samples": num_samples,
+            "exact_part_note": (
+                f"{classes} classes > max_exact_classes={max_exact_classes}: diag p - p p^T of each token "
+                f"estimated from {num_samples} labels drawn from the model (one backward column per draw), "
+                "unbiased, stderr from the draws' spread"
+            ),
+        }
+        return float(totals.mean()), float(totals.std(ddof=1) / np.sqrt(num_samples)), parts, info
 
 
 Fisher = GGN
@@ -379,8 +510,9 @@ def _one_block_per_variable(weight, shapes):
 
 
 def _add_stats(a, b):
-    out = {"A": [x + y for x, y in zip(a["A"], b["A"])], "B": [x + y for x, y in zip(a["B"], b["B"])]}
+    out = {"A": [None if x is None else x + y for x, y in zip(a["A"], b["A"])], "B": [x + y for x, y in zip(a["B"], b["B"])]}
     out["rows"] = [x + y for x, y in zip(a["rows"], b["rows"])]
+    out["R"] = {j: ops.concatenate([a["R"][j], b["R"][j]], axis=0) for j in a.get("R", {})}
     for key in ("diag", "quad"):
         out[key] = {k: a[key][k] + b[key][k] for k in a[key]}
     return out

@@ -34,6 +34,11 @@ from keras_geosam.curvature.operators.base import static_shape
 from keras_geosam.curvature.operators.base import unflatten
 
 
+# A block of a metric whose largest eigenvalue is this far below the
+# metric's largest is rounding noise, not information (BlockDiagonal).
+BLOCK_RCOND = 1e-10
+
+
 def _eps(dtype):
     return float(np.finfo(keras.backend.standardize_dtype(dtype)).eps)
 
@@ -128,6 +133,13 @@ class Diagonal(_Spectral, LinearOperator):
     def trace(self):
         return sum(ops.sum(v) for v in self.values)
 
+    def top_eigenvalue(self):
+        return ops.max(ops.stack([ops.max(v) for v in self.values]))
+
+    def masked(self, keep):
+        """This operator where `keep` (a scalar boolean tensor), else zero."""
+        return Diagonal([v * ops.cast(keep, v.dtype) for v in self.values])
+
     def _spectral(self, damping, relative, power, rcond):
         out = []
         for v in self.values:
@@ -178,8 +190,29 @@ class KFAC(_Spectral, LinearOperator):
         if static_shape(A) != rows or static_shape(B) != (self.view[1],) * 2:
             raise ValueError(f"KFAC factors of shapes {static_shape(A)}, {static_shape(B)} do not fit the view {self.view}.")
         super().__init__([shape], A.dtype)
-        self.A, self.B = A, B
+        self._A, self.B = A, B
+        self.rows = None
         self.diagonal_input = len(A.shape) == 1
+
+    @classmethod
+    def from_rows(cls, R, B, shape, split=None):
+        """``A = R^T R`` given by its ``(r, m)`` rows (a Fisher block built
+        from fewer input rows than the layer is wide): ``A`` is formed only
+        if asked for, and the eigendecomposition that ``inverse`` needs comes
+        from the ``r x r`` Gram matrix ``R R^T`` (see :meth:`eigh`)."""
+        R = ops.convert_to_tensor(R)
+        _, (m, _) = _matrix_view(tuple(int(d) for d in shape), split)
+        if len(R.shape) != 2 or int(R.shape[1]) != m:
+            raise ValueError(f"KFAC rows of shape {static_shape(R)} do not fit a view with {m} rows.")
+        op = cls(ops.zeros((m,), R.dtype), B, shape, split)
+        op._A, op.rows, op.diagonal_input = None, R, False
+        return op
+
+    @property
+    def A(self):
+        if self._A is None:
+            self._A = ops.einsum("rm,rl->ml", self.rows, self.rows)
+        return self._A
 
     @property
     def params(self):
@@ -206,6 +239,8 @@ class KFAC(_Spectral, LinearOperator):
         return [ops.reshape(Y, ops.shape(X))]
 
     def _input_diagonal(self):
+        if self.rows is not None and self._A is None:
+            return ops.sum(ops.square(self.rows), axis=0)
         return self.A if self.diagonal_input else ops.diagonal(self.A)
 
     def diagonal(self):
@@ -222,20 +257,54 @@ class KFAC(_Spectral, LinearOperator):
         if getattr(self, "_eigh", None) is None:
             if self.diagonal_input:
                 la, qa = self.A, None
+            elif self.gram:
+                la, qa = self._gram_eigh()
             else:
                 la, qa = backend.eigh((self.A + ops.transpose(self.A)) / 2)
             lb, qb = backend.eigh((self.B + ops.transpose(self.B)) / 2)
             self._eigh = (la, qa, lb, qb)
         return self._eigh
 
+    @property
+    def gram(self):
+        """Whether the input factor's eigenvectors come from its rows'
+        Gram matrix: ``A = R^T R`` with fewer rows r than columns m."""
+        return self.rows is not None and int(self.rows.shape[0]) < self.view[0]
+
+    def _gram_eigh(self):
+        """``A = R^T R`` of rank at most r < m: ``R R^T = U diag(w) U^T``
+        (r x r, cheap) gives A's nonzero eigenvalues w and eigenvectors
+        ``R^T U w^-1/2`` (m x r); the other m - r eigenvalues are zero, their
+        eigenvectors any basis of the complement, never formed. Eigenvalues
+        at rounding level (below r * eps * max) count as zero, their columns
+        too."""
+        R = self.rows
+        w, U = backend.eigh(ops.einsum("rm,sm->rs", R, R))
+        tol = scalar(int(R.shape[0]) * _eps(w.dtype), w.dtype) * ops.abs(ops.max(w))
+        keep = ops.greater(w, tol)
+        w = ops.where(keep, w, ops.zeros_like(w))
+        inv = ops.where(keep, 1.0 / ops.sqrt(ops.where(keep, w, ops.ones_like(w))), ops.zeros_like(w))
+        return w, ops.einsum("rm,rs->ms", R, U) * inv[None, :]
+
+    def top_eigenvalue(self):
+        la, _, lb, _ = self.eigh()
+        return ops.max(la) * ops.max(lb)
+
     def _spectral(self, damping, relative, power, rcond):
         # Damping acts on the Kronecker product itself, A kron B + lambda I,
         # diagonal in the factors' joint eigenbasis: an EKFAC operator.
         la, qa, lb, qb = self.eigh()
         s = la[:, None] * lb[None, :]
-        lam = _absolute(damping, relative, mean(s))
         rcond = max(self.view) * _eps(s.dtype) if rcond is None else rcond
-        return EKFAC(qa, qb, spectral(s, lam, power, rcond), self.shapes[0], self.split, orthogonal=True)
+        if not self.gram:
+            lam = _absolute(damping, relative, mean(s))
+            return EKFAC(qa, qb, spectral(s, lam, power, rcond), self.shapes[0], self.split, orthogonal=True)
+        # The input factor's null space: eigenvalue 0 in every column, so
+        # one scale there, (0 + lambda)^-power, cut off as the others are.
+        m, n = self.view
+        lam = _absolute(damping, relative, ops.sum(s) / float(m * n))
+        both = spectral(ops.concatenate([ops.reshape(s, (-1,)), ops.zeros((1,), s.dtype)]), lam, power, rcond)
+        return EKFAC(qa, qb, ops.reshape(both[:-1], ops.shape(s)), self.shapes[0], self.split, orthogonal=True, null=both[-1])
 
 
 
@@ -255,6 +324,11 @@ class EKFAC(_Spectral, LinearOperator):
         split: as for :class:`KFAC`. Defaults to `None`.
         orthogonal: whether `QA` and `QG` are orthogonal (enables
             ``inverse`` and the exact ``trace``). Defaults to `False`.
+        null: with an ``(m, r)`` `QA` of orthonormal (or zero) columns and
+            ``(r, n)`` scales, the operator's one eigenvalue on the rows'
+            complement: ``X -> QA ((s - null) * (QA^T X QG)) QG^T + null X``
+            (``KFAC.inverse`` of a factor of rank r < m). Defaults to `None`
+            (QA is square).
 
     Raises:
         ValueError: if `shape` has fewer than two axes or `split` is not
@@ -273,15 +347,24 @@ class EKFAC(_Spectral, LinearOperator):
     21.0
     """
 
-    def __init__(self, QA, QG, s, shape, split=None, orthogonal=False):
+    def __init__(self, QA, QG, s, shape, split=None, orthogonal=False, null=None):
         shape = tuple(int(d) for d in shape)
         self.split, self.view = _matrix_view(shape, split)
         # QA None: the rows' basis is the identity (a diagonal input factor).
         QA = None if QA is None else ops.convert_to_tensor(QA)
         QG, s = ops.convert_to_tensor(QG), ops.convert_to_tensor(s)
-        s = ops.reshape(s, self.view)
+        if null is not None:
+            if QA is None or not orthogonal:
+                raise ValueError("An EKFAC null-space scale needs orthonormal columns QA.")
+            s = ops.reshape(s, (int(QA.shape[1]), self.view[1]))
+            null = ops.cast(ops.convert_to_tensor(null), s.dtype)
+        else:
+            s = ops.reshape(s, self.view)
         super().__init__([shape], s.dtype)
         self.QA, self.QG, self.s = QA, QG, s
+        # With `null`, QA has r <= m orthonormal (or zero) columns and the
+        # operator is ``null`` on the rest of the row space.
+        self.null = null
         self.orthogonal = bool(orthogonal)
 
     @property
@@ -308,25 +391,56 @@ class EKFAC(_Spectral, LinearOperator):
         else:
             QA = ops.cast(self.QA, X.dtype)
             inner = backend.sandwich(ops.transpose(QA), Y, QGt)
-            Y = backend.sandwich(QA, s[None] * inner, QG)
+            if self.null is None:
+                Y = backend.sandwich(QA, s[None] * inner, QG)
+            else:  # QA QA^T Y = QA (QA^T Y QG) QG^T: the same inner product
+                null = ops.cast(self.null, X.dtype)
+                Y = backend.sandwich(QA, (s - null)[None] * inner, QG) + null * Y
         return [ops.reshape(Y, ops.shape(X))]
 
+    def _range_scales(self):
+        """Scales on QA's columns, and the constant added everywhere."""
+        if self.null is None:
+            return self.s, None
+        return self.s - self.null, self.null
+
     def diagonal(self):
+        s, null = self._range_scales()
         if self.QA is None:
-            d = ops.einsum("jl,ml->jm", self.s, ops.square(self.QG))
+            d = ops.einsum("jl,ml->jm", s, ops.square(self.QG))
         else:
-            d = ops.einsum("ij,jl,ml->im", ops.square(self.QA), self.s, ops.square(self.QG))
+            d = ops.einsum("ij,jl,ml->im", ops.square(self.QA), s, ops.square(self.QG))
+        if null is not None:
+            d = d + null
         return [ops.reshape(d, self.shapes[0])]
 
     def trace(self):
-        return ops.sum(self.s) if self.orthogonal else ops.sum(self.diagonal()[0])
+        if self.orthogonal and self.null is None:
+            return ops.sum(self.s)
+        return ops.sum(self.diagonal()[0])
+
+    def top_eigenvalue(self):
+        if not self.orthogonal:
+            raise NotImplementedError("An EKFAC operator with learned bases has no known top eigenvalue.")
+        # ops.max of a stack: Keras' torch maximum of two float64 tensors
+        # returns float32 (keras 3.15).
+        return ops.max(self.s) if self.null is None else ops.max(ops.stack([ops.max(self.s), self.null]))
+
+    def masked(self, keep):
+        keep = ops.cast(keep, self.s.dtype)
+        null = None if self.null is None else self.null * keep
+        return EKFAC(self.QA, self.QG, self.s * keep, self.shapes[0], self.split, self.orthogonal, null)
 
     def _spectral(self, damping, relative, power, rcond):
         if not self.orthogonal:
             raise NotImplementedError("An EKFAC operator with learned (non-orthogonal) bases has no structured inverse.")
-        lam = _absolute(damping, relative, mean(self.s))
         rcond = max(self.view) * _eps(self.s.dtype) if rcond is None else rcond
-        return EKFAC(self.QA, self.QG, spectral(self.s, lam, power, rcond), self.shapes[0], self.split, orthogonal=True)
+        if self.null is None:
+            lam = _absolute(damping, relative, mean(self.s))
+            return EKFAC(self.QA, self.QG, spectral(self.s, lam, power, rcond), self.shapes[0], self.split, orthogonal=True)
+        lam = _absolute(damping, relative, self.trace() / float(self.dim))
+        both = spectral(ops.concatenate([ops.reshape(self.s, (-1,)), ops.reshape(self.null, (1,))]), lam, power, rcond)
+        return EKFAC(self.QA, self.QG, ops.reshape(both[:-1], ops.shape(self.s)), self.shapes[0], self.split, True, both[-1])
 
 
 
@@ -502,11 +616,30 @@ class BlockDiagonal(LinearOperator):
             return list(damping)
         return [damping] * len(self.blocks)
 
-    def inverse(self, damping=0.0, relative=False, rcond=None):
-        return BlockDiagonal([b.inverse(d, relative, rcond) for b, d in zip(self.blocks, self._per_block(damping))], self.paths)
+    def inverse(self, damping=0.0, relative=False, rcond=None, block_rcond=None):
+        return self._blockwise("inverse", damping, relative, rcond, block_rcond)
 
-    def inverse_sqrt(self, damping=0.0, relative=False, rcond=None):
-        return BlockDiagonal([b.inverse_sqrt(d, relative, rcond) for b, d in zip(self.blocks, self._per_block(damping))], self.paths)
+    def inverse_sqrt(self, damping=0.0, relative=False, rcond=None, block_rcond=None):
+        return self._blockwise("inverse_sqrt", damping, relative, rcond, block_rcond)
+
+    def _blockwise(self, method, damping, relative, rcond, block_rcond):
+        """Each block's (pseudo-)inverse; with relative damping, a block whose
+        largest eigenvalue is at most `block_rcond` (default
+        ``BLOCK_RCOND``) times the largest of all blocks counts as zero.
+
+        Relative damping scales with each block, so a block that is zero in
+        exact arithmetic but holds rounding noise (an attention key bias,
+        which softmax ignores: its Fisher is ~1e-14 of the others' in float32)
+        would otherwise be inverted as if it were information, and its
+        inverse multiply noise by ~1e14. No block-local cutoff can tell such
+        a block from a real one; its scale next to the others can."""
+        out = [getattr(b, method)(d, relative, rcond) for b, d in zip(self.blocks, self._per_block(damping))]
+        floor = BLOCK_RCOND if block_rcond is None else float(block_rcond)
+        if relative and floor > 0 and all(hasattr(b, "top_eigenvalue") for b in self.blocks) and all(hasattr(o, "masked") for o in out):
+            tops = ops.stack([ops.cast(b.top_eigenvalue(), "float32" if b.dtype in ("float16", "bfloat16") else b.dtype) for b in self.blocks])
+            keep = ops.greater(tops, floor * ops.max(tops))
+            out = [o.masked(keep[i]) for i, o in enumerate(out)]
+        return BlockDiagonal(out, self.paths)
 
 
 class Dense(_Spectral, LinearOperator):

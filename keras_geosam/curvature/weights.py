@@ -1,0 +1,152 @@
+"""Which loss terms count, and how much: sample weights and Keras masks.
+
+A model's outputs have a shape ``(N,) + positions + (C,)``: no positions for
+a classifier of whole examples, ``(T,)`` for a sequence model's per-token
+logits. Each position of each example is a loss term ("token"). The loss
+every curvature routine differentiates is the weighted mean over tokens::
+
+    L = sum_{n,t} w_nt l_nt / sum_{n,t} w_nt
+
+with ``w`` the product of the user's ``sample_weight`` (``(N,)``, one weight
+per example, or one per token) and the mask Keras attaches to the model's
+output (``Embedding(mask_zero=True)`` and the layers that propagate it), so
+padded tokens do not count. Without either, ``w = 1``: the mean over all
+tokens, which is Keras' own loss. With a mask alone it is also Keras'
+loss; with explicit weights Keras' default reduction divides by the number
+of entries instead of the weights' sum (the two agree for 0/1 weights
+whose zeros are padding only when a mask supplies them).
+
+"Per example" means per sequence wherever a function returns one value per
+example (``per_example_gradients``, the empirical Fisher's per-example
+gradients): example n's loss is ``L_n = sum_t w_nt l_nt / sum_t w_nt``, and
+``L = sum_n (W_n / W) L_n`` with ``W_n = sum_t w_nt``. Curvature sums
+(Fisher diagonals, K-FAC factors, GGN traces) run over tokens.
+
+``resolve`` validates what the user passed and returns the weights as a
+float NumPy array shaped like the per-token losses (``(N,)`` or ``(N,) +
+positions``), or None when every token counts once (the unweighted
+computation, unchanged).
+"""
+
+import numpy as np
+from keras import ops
+
+
+def output_shape(fns, x):
+    """Shape of the model's outputs for `x` (computed once per input shape
+    from a single example, then the example axis set to ``len(x)``)."""
+    first = x[:1] if not isinstance(x, (list, tuple)) else type(x)(e[:1] for e in x)
+    key = tuple(tuple(int(d) for d in ops.shape(t)[1:]) for t in (x if isinstance(x, (list, tuple)) else [x]))
+    cache = fns.__dict__.setdefault("_output_shapes", {})
+    if key not in cache:
+        y_pred, _ = fns.outputs(fns.params(), fns.non_trainable(), first)
+        mask = output_mask(y_pred)
+        cache[key] = (tuple(int(d) for d in ops.shape(y_pred)[1:]), mask is not None)
+    shape, _ = cache[key]
+    n = int(ops.shape(x[0] if isinstance(x, (list, tuple)) else x)[0])
+    return (n,) + shape
+
+
+def emits_mask(fns, x):
+    """Whether the model attaches a Keras mask to its outputs for `x`."""
+    output_shape(fns, x)
+    key = tuple(tuple(int(d) for d in ops.shape(t)[1:]) for t in (x if isinstance(x, (list, tuple)) else [x]))
+    return fns._output_shapes[key][1]
+
+
+def output_mask(y_pred):
+    """The mask Keras attached to `y_pred` (None without one).
+
+    Keras keeps it as the ``_keras_mask`` attribute of the output tensor
+    (or in a table by id where a tensor takes no attributes); no public API
+    reads it. Checked against keras 3.12-3.15."""
+    from keras.src.backend.common.masking import get_keras_mask
+
+    return get_keras_mask(y_pred)
+
+
+def positions(shape):
+    """The positions part of an output shape ``(N,) + positions + (C,)``."""
+    return tuple(shape[1:-1])
+
+
+def check_label_shape(fns, x, y):
+    """Raises unless `y` fits the model's outputs on `x`: sparse labels
+    ``(N,) + positions`` (a trailing 1 allowed), dense ones ``(N,) +
+    positions + (C,)``."""
+    if y is None or not (fns.spec.classifier or fns.spec.squared_error):
+        return
+    out = output_shape(fns, x)
+    got = tuple(int(d) for d in ops.shape(y))
+    pos = positions(out)
+    if fns.spec.classifier and fns.spec.sparse:
+        ok = got[1:] == pos or got[1:] == pos + (1,)
+        want = f"{(got[0],) + pos}"
+    else:
+        # A (N,) target for one output unit is taken as Keras takes it.
+        ok = got[1:] == out[1:] or (out[-1] == 1 and got[1:] == out[1:-1])
+        want = f"{(got[0],) + tuple(out[1:])}"
+    if not ok:
+        what = "sequence length" if pos or len(got) > 2 else "shape"
+        raise ValueError(
+            f"Labels y of shape {got} do not fit the model's outputs {out} (labels should be {want}): "
+            f"x and y differ in {what}."
+        )
+
+
+def resolve(fns, x, y, sample_weight, batch_size):
+    """The per-token weights for ``(x, y)`` (module doc): a float64 NumPy
+    array shaped like the per-token losses, or None when every token counts
+    once. The model's mask is computed by forward passes over `x` in
+    `batch_size` pieces, only when the model emits one."""
+    from keras_geosam.curvature.functional import batches
+
+    out = output_shape(fns, x)
+    n, pos = out[0], positions(out)
+    weights = None
+    if sample_weight is not None:
+        weights = _check_sample_weight(sample_weight, n, pos)
+    if emits_mask(fns, x):
+        kernel = fns.kernel("output_mask")
+        parts = [np.asarray(ops.convert_to_numpy(kernel(fns.params(), fns.non_trainable(), xb)), "float64")
+                 for xb, _, _ in batches(x, None, batch_size)]
+        mask = np.concatenate(parts, axis=0).reshape((n,) + pos)
+        weights = mask if weights is None else weights * mask
+    if weights is not None and not weights.sum() > 0:
+        raise ValueError("Every loss term has weight zero (sample_weight and the model's mask): nothing to differentiate.")
+    return weights
+
+
+def _check_sample_weight(sample_weight, n, pos):
+    if not hasattr(sample_weight, "shape"):
+        sample_weight = np.asarray(sample_weight)
+    w = np.asarray(ops.convert_to_numpy(sample_weight), dtype="float64")
+    shape = tuple(w.shape)
+    if shape == (n,) and pos:
+        w = np.broadcast_to(w.reshape((n,) + (1,) * len(pos)), (n,) + pos)
+    elif shape != (n,) + pos:
+        allowed = f"({n},)" + (f" or {(n,) + pos}" if pos else "")
+        raise ValueError(
+            f"sample_weight of shape {shape} does not fit the data: one weight per example {allowed}"
+            + (" (one per token)" if pos else "") + "."
+        )
+    if not np.all(np.isfinite(w)) or np.any(w < 0):
+        raise ValueError("sample_weight must be finite and >= 0.")
+    return np.array(w, dtype="float64")
+
+
+def example_weights(weights):
+    """``W_n``: each example's total weight (``(N,)``)."""
+    return weights.reshape(weights.shape[0], -1).sum(axis=1)
+
+
+def batch_slices(weights, n, batch_size, dtype):
+    """The slices of `weights` matching ``functional.batches(x, y,
+    batch_size)``, as tensors of `dtype` (None for each batch without
+    weights)."""
+    from keras_geosam import backend
+
+    size = n if batch_size is None else int(batch_size)
+    for start in range(0, n, size):
+        stop = min(start + size, n)
+        yield None if weights is None else backend.distribute_batch(weights[start:stop].astype(dtype))
