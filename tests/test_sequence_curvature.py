@@ -107,6 +107,14 @@ def test_operators_equal_their_dense_matrices(case):
     assert ref.rel_err(ref.flatten(kc.ggnvp(model, x, y, v, **kw)), G @ ref.flatten(v)) <= tol
     # per example (sequence): a loop over each one's own weighted mean loss
     assert ref.rel_err(ref.flatten_rows(kc.per_example_gradients(model, x, y, **kw)), R.sequence_gradients()) <= tol
+    # The same from the backend's vectorised map (vmap / pfor), the path of
+    # layers without a per-example rule: TensorFlow's pfor corrupted the heap
+    # on attention, so there it loops over the examples.
+    fns = kc.model_functions(model)
+    weights = kc.weights.resolve(fns, x, y, sw, None)  # sample_weight times the model's mask
+    weights = None if weights is None else ops.convert_to_tensor(weights.astype(keras.config.floatx()))
+    mapped = fns.kernel("per_example_grads")(fns.params(), fns.non_trainable(), x, y, weights)
+    assert ref.rel_err(ref.flatten_rows(mapped), R.sequence_gradients()) <= tol
 
 
 @pytest.mark.parametrize("metric", ["diagonal", "kfac"])

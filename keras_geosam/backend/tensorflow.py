@@ -313,9 +313,31 @@ def eigh(x):
 
 def per_example_grads(f, params, *batch):
     def one(example):
-        return value_and_grad(f, params, *[e[None] for e in example])[1]
+        return value_and_grad(f, params, *[one_example(e) for e in example])[1]
 
-    return tf.vectorized_map(one, tuple(batch), fallback_to_while_loop=True)
+    batch = tuple(batch)
+    if not _has_batch_matmul(one, batch):
+        return tf.vectorized_map(one, batch, fallback_to_while_loop=True)
+    # pfor's vectorisation of a batched matmul's gradient (tf.einsum lowers
+    # to BatchMatMulV2: EinsumDense, MultiHeadAttention) corrupts the heap
+    # (TF 2.21 CPU: "free(): invalid pointer", a segfault or an abort a few
+    # ops later): a loop over the examples instead, one gradient each.
+    signature = [tf.TensorSpec(p.shape, p.dtype) for p in params]
+    return tf.map_fn(one, batch, fn_output_signature=signature)
+
+
+_BATCH_MATMUL = ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum")
+
+
+def _has_batch_matmul(fn, batch):
+    """Whether `fn` of one example (traced, not run) contains a batched
+    matmul, in its graph or in a function it calls."""
+    spec = tf.nest.map_structure(lambda a: tf.TensorSpec(a.shape[1:], a.dtype), batch)
+    graph = tf.function(fn).get_concrete_function(spec).graph
+    if any(op.type in _BATCH_MATMUL for op in graph.get_operations()):
+        return True
+    library = graph.as_graph_def().library
+    return any(node.op in _BATCH_MATMUL for f in library.function for node in f.node_def)
 
 
 def compile(fn):
@@ -428,6 +450,7 @@ from keras_geosam.backend._single_device import wait_for_step  # noqa: E402,F401
 from keras_geosam.backend._single_device import save_from_primary  # noqa: E402,F401
 
 # The step is compiled, so the keras.ops forms cost no per-op dispatch.
+from keras_geosam.backend._generic import one_example  # noqa: E402
 from keras_geosam.backend._generic import add_scaled as _generic_add_scaled  # noqa: E402
 from keras_geosam.backend._generic import gate_preparation  # noqa: E402,F401
 from keras_geosam.backend._generic import sandwich  # noqa: E402,F401
