@@ -72,3 +72,11 @@ def gate_preparation(train_function, gate):
 def unwrap_unprepared(data):
     """``(data, True)``: every step prepares (see ``gate_preparation``)."""
     return data, True
+
+
+def one_example(e):
+    """An example (an array or a structure of arrays, e.g. named inputs) with
+    its batch axis of one back: what per-example gradients differentiate."""
+    import keras
+
+    return keras.tree.map_structure(lambda a: a[None], e)

@@ -90,7 +90,7 @@ def eigh(x):
 
 def per_example_grads(f, params, *batch):
     def one(*example):
-        return jax.grad(f)(params, *[e[None] for e in example])
+        return jax.grad(f)(params, *[one_example(e) for e in example])
 
     return jax.vmap(one)(*batch)
 
@@ -252,6 +252,7 @@ from keras_geosam.backend._single_device import cond_apply  # noqa: E402,F401
 from keras_geosam.backend._single_device import replica_count  # noqa: E402,F401
 
 # The step is compiled, so the keras.ops forms cost no per-op dispatch.
+from keras_geosam.backend._generic import one_example  # noqa: E402
 from keras_geosam.backend._generic import add_scaled  # noqa: E402,F401
 from keras_geosam.backend._generic import densify  # noqa: E402,F401
 from keras_geosam.backend._generic import step_timer  # noqa: E402,F401

@@ -6,6 +6,7 @@ have no effect); here we only differentiate ``f`` with respect to the tensors
 it is given.
 """
 
+import keras
 import torch
 import torch.func
 
@@ -216,7 +217,7 @@ def eigh(x):
 @_math_attention
 def per_example_grads(f, params, *batch):
     def one(*example):
-        return torch.func.grad(f)(list(params), *[e[None] for e in example])
+        return torch.func.grad(f)(list(params), *[one_example(e) for e in example])
 
     try:
         with torch.no_grad():
@@ -228,7 +229,8 @@ def per_example_grads(f, params, *batch):
         if "vmap" not in str(e) and "NYI" not in str(e):
             raise
     # Fallback: one functional gradient per example (a loop, so slower).
-    rows = [one(*[e[i] for e in batch]) for i in range(batch[0].shape[0])]
+    n = keras.tree.flatten(batch[0])[0].shape[0]
+    rows = [one(*[keras.tree.map_structure(lambda a: a[i], e) for e in batch]) for i in range(n)]
     return [torch.stack(parts) for parts in zip(*rows)]
 
 
@@ -327,6 +329,7 @@ from keras_geosam.backend._single_device import wait_for_step  # noqa: E402,F401
 from keras_geosam.backend._single_device import save_from_primary  # noqa: E402,F401
 from keras_geosam.backend._single_device import replica_count  # noqa: E402,F401
 
+from keras_geosam.backend._generic import one_example  # noqa: E402
 from keras_geosam.backend._generic import compile_seconds  # noqa: E402,F401
 from keras_geosam.backend._generic import densify  # noqa: E402,F401
 from keras_geosam.backend._generic import step_timer  # noqa: E402,F401

@@ -494,9 +494,9 @@ def _tile(x, k):
 
     if k == 1:
         return x
-    if isinstance(x, (list, tuple)):
-        return type(x)(_tile(e, k) for e in x)
-    return np.concatenate([np.asarray(ops.convert_to_numpy(x))] * k, axis=0)
+    import keras
+
+    return keras.tree.map_structure(lambda a: np.concatenate([np.asarray(ops.convert_to_numpy(a))] * k, axis=0), x)
 
 
 def _concat(fns, kernel, x, y, batch_size, weights=None):

@@ -30,6 +30,7 @@ bounded by ``max_elements``.
 import contextlib
 import functools
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -105,7 +106,7 @@ class Capture:
     def call_shapes(self, x):
         """Pre-activation shape of every call of every covered layer for a
         batch shaped like `x` (found once per shape by a plain forward)."""
-        key = tuple(tuple(t.shape) for t in (x if isinstance(x, (list, tuple)) else [x]))
+        key = tuple(tuple(t.shape) for t in keras.tree.flatten(x))
         if key not in self._call_shapes:
             state = {"records": [[] for _ in self.rules], "shapes": [[] for _ in self.rules], "probes": None, "slot": {}}
             with self._instrumented(state):

@@ -414,13 +414,13 @@ def check_data(x, y=None, labels_needed=True, sample_weight=None):
     for name, a in (("x", x), ("y", y), ("sample_weight", sample_weight)):
         if a is None:
             continue
-        items = a if isinstance(a, (list, tuple)) and name == "x" else [a]
+        items = input_arrays(a) if name == "x" else [a]
         for item in items:
             if not hasattr(item, "shape") or not hasattr(item, "dtype"):
                 if name == "sample_weight" and isinstance(item, (list, tuple)):
                     continue
                 raise ValueError(
-                    f"{name} must be an array or tensor (or a list of them for several inputs); got "
+                    f"{name} must be an array or tensor (or a list or dict of them for several inputs); got "
                     f"{_describe(item)}. Datasets and generators are not taken: pass arrays (for a "
                     "tf.data.Dataset, e.g. `x, y = map(np.concatenate, zip(*ds.as_numpy_iterator()))`), "
                     "and use batch_size to bound memory."
@@ -428,15 +428,14 @@ def check_data(x, y=None, labels_needed=True, sample_weight=None):
     if y is None and labels_needed:
         raise ValueError("This quantity needs the labels `y`.")
     n = num_examples(x)
-    if isinstance(x, (list, tuple)):
-        for item in x:
-            if int(ops.shape(item)[0]) != n:
-                raise ValueError(f"The inputs in x differ in length ({int(ops.shape(item)[0])} vs {n}).")
+    for item in input_arrays(x):
+        if int(ops.shape(item)[0]) != n:
+            raise ValueError(f"The inputs in x differ in length ({int(ops.shape(item)[0])} vs {n}).")
     if y is not None and int(ops.shape(y)[0]) != n:
         raise ValueError(f"x and y differ in length: {n} inputs, {int(ops.shape(y)[0])} labels.")
     if sample_weight is not None and len(sample_weight) != n:
         raise ValueError(f"x and sample_weight differ in length: {n} inputs, {len(sample_weight)} weights.")
-    for item in x if isinstance(x, (list, tuple)) else [x]:
+    for item in input_arrays(x):
         if keras.backend.is_float_dtype(keras.backend.standardize_dtype(item.dtype)):
             finite = np.all(np.isfinite(item)) if isinstance(item, np.ndarray) else bool(ops.convert_to_numpy(ops.all(ops.isfinite(item))))
             if not finite:
@@ -481,9 +480,19 @@ def check_labels(fns, x, y):
         raise ValueError(f"Labels must lie in [0, {classes}) for this {classes}-class model; got values in [{low}, {high}].")
 
 
+def input_arrays(x):
+    """The arrays of `x`: one array, or a list, tuple or dict of them (a
+    keras-hub model's named inputs)."""
+    return keras.tree.flatten(x)
+
+
+def rows_of(x, start, stop):
+    """Examples ``start:stop`` of `x` (an array or a structure of them)."""
+    return keras.tree.map_structure(lambda a: a[start:stop], x)
+
+
 def num_examples(x):
-    first = x[0] if isinstance(x, (list, tuple)) else x
-    return int(ops.shape(first)[0])
+    return int(ops.shape(input_arrays(x)[0])[0])
 
 
 def batches(x, y=None, batch_size=None):
@@ -504,11 +513,9 @@ def batches(x, y=None, batch_size=None):
 
 
 def _slice(a, start, stop):
-    if isinstance(a, (list, tuple)):
-        return type(a)(_slice(e, start, stop) for e in a)
     # Split over the devices of an active distribution (JAX): every
     # compiled kernel then runs data-parallel.
-    return backend.distribute_batch(a[start:stop])
+    return keras.tree.map_structure(lambda e: backend.distribute_batch(e[start:stop]), a)
 
 
 def to_numpy_list(tensors):

@@ -35,23 +35,31 @@ from keras import ops
 def output_shape(fns, x):
     """Shape of the model's outputs for `x` (computed once per input shape
     from a single example, then the example axis set to ``len(x)``)."""
-    first = x[:1] if not isinstance(x, (list, tuple)) else type(x)(e[:1] for e in x)
-    key = tuple(tuple(int(d) for d in ops.shape(t)[1:]) for t in (x if isinstance(x, (list, tuple)) else [x]))
+    from keras_geosam.curvature.functional import input_arrays
+    from keras_geosam.curvature.functional import rows_of
+
+    first = rows_of(x, 0, 1)
+    key = _input_key(x)
     cache = fns.__dict__.setdefault("_output_shapes", {})
     if key not in cache:
         y_pred, _ = fns.outputs(fns.params(), fns.non_trainable(), first)
         mask = output_mask(y_pred)
         cache[key] = (tuple(int(d) for d in ops.shape(y_pred)[1:]), mask is not None)
     shape, _ = cache[key]
-    n = int(ops.shape(x[0] if isinstance(x, (list, tuple)) else x)[0])
+    n = int(ops.shape(input_arrays(x)[0])[0])
     return (n,) + shape
+
+
+def _input_key(x):
+    from keras_geosam.curvature.functional import input_arrays
+
+    return tuple(tuple(int(d) for d in ops.shape(t)[1:]) for t in input_arrays(x))
 
 
 def emits_mask(fns, x):
     """Whether the model attaches a Keras mask to its outputs for `x`."""
     output_shape(fns, x)
-    key = tuple(tuple(int(d) for d in ops.shape(t)[1:]) for t in (x if isinstance(x, (list, tuple)) else [x]))
-    return fns._output_shapes[key][1]
+    return fns._output_shapes[_input_key(x)][1]
 
 
 def output_mask(y_pred):

@@ -10,6 +10,7 @@ and to the model Fisher only for a calibrated model. So the fitted factor
 
 import dataclasses
 
+import keras
 import numpy as np
 import scipy.stats
 from keras import ops
@@ -73,7 +74,7 @@ class Alignment:
 
 
 def _take(x, idx):
-    return [e[idx] for e in x] if isinstance(x, list) else x[idx]
+    return keras.tree.map_structure(lambda a: a[idx], x)
 
 
 def _cos(a, b):
@@ -147,7 +148,7 @@ def gradient_noise_alignment(
     flat = lambda gs: np.concatenate([np.asarray(ops.convert_to_numpy(g), "float64").ravel() for g in gs])
     _, g_full = loss_and_gradient(model, x, y, loss=loss, batch_size=eval_batch_size, sample_weight=sample_weight)
     g_full = flat(g_full)
-    xn = [np.asarray(ops.convert_to_numpy(e)) for e in x] if isinstance(x, (list, tuple)) else np.asarray(ops.convert_to_numpy(x))
+    xn = keras.tree.map_structure(lambda a: np.asarray(ops.convert_to_numpy(a)), x)
     yn = np.asarray(ops.convert_to_numpy(y))
     var = np.zeros_like(g_full)
     bar = progbar(num_batches, verbose, "batch")

@@ -18,6 +18,7 @@ import warnings
 import numpy as np
 
 from keras_geosam.curvature.functional import model_functions
+from keras_geosam.curvature.functional import rows_of
 from keras_geosam.curvature.functional import progbar
 from keras_geosam.curvature.operators import GGN
 from keras_geosam.curvature.operators import GGNResidual
@@ -37,7 +38,7 @@ def _has_regularization(fns, x):
     to H - GGN and is not zero on layer blocks): one forward on one example."""
     if not fns.include_regularization:
         return False
-    first = x[:1] if not isinstance(x, (list, tuple)) else type(x)(e[:1] for e in x)
+    first = rows_of(x, 0, 1)
     return bool(fns.outputs(fns.params(), fns.non_trainable(), first)[1])
 
 
