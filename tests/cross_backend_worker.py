@@ -94,17 +94,30 @@ def compute():
 
 def transformer(out, errors, flat, rows, estimate):
     """The same on the tiny token-level Transformer of ``tiny_transformer``
-    (padding masked, per-token weights): keys ``lm_*``."""
+    (padding masked, per-token weights): keys ``lm_*``, in float64. In
+    float32 the backends' GGN products on this model differ by 2-3e-4:
+    rounding amplified by the attention softmax and the near-one-hot token
+    softmaxes, not a difference of method (in float64 they agree to ~1e-6,
+    the level of the ops Keras computes in float32 whatever the dtype)."""
     import keras
     import tiny_transformer as tt
 
     from keras_geosam import curvature as kc
     from keras_geosam import sharpness as ks
 
-    model = tt.build()
+    # The layers take their dtype from the global policy (fixed at its first
+    # use, so set here along with floatx), and both go back afterwards.
+    floatx, policy = keras.config.floatx(), keras.config.dtype_policy()
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    try:
+        model = tt.build()
+    finally:
+        keras.config.set_floatx(floatx)
+        keras.config.set_dtype_policy(policy)
     x, y = tt.data()
-    sw = np.random.default_rng(3).uniform(0.5, 2.0, x.shape).astype("float32")
-    vec = [np.random.default_rng(4).normal(size=v.shape).astype("float32") for v in model.trainable_variables]
+    sw = np.random.default_rng(3).uniform(0.5, 2.0, x.shape)
+    vec = [np.random.default_rng(4).normal(size=v.shape) for v in model.trainable_variables]
     kw = dict(sample_weight=sw)
     probed = dict(num_probes=4, rtol=None, seed=3, **kw)
     out["lm_weights"] = flat(model.weights)
