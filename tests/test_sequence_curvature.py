@@ -113,7 +113,8 @@ def test_operators_equal_their_dense_matrices(case):
     fns = kc.model_functions(model)
     weights = kc.weights.resolve(fns, x, y, sw, None)  # sample_weight times the model's mask
     weights = None if weights is None else ops.convert_to_tensor(weights.astype(keras.config.floatx()))
-    mapped = fns.kernel("per_example_grads")(fns.params(), fns.non_trainable(), x, y, weights)
+    xt, yt = ops.convert_to_tensor(x), ops.convert_to_tensor(y)
+    mapped = fns.kernel("per_example_grads")(fns.params(), fns.non_trainable(), xt, yt, weights)
     assert ref.rel_err(ref.flatten_rows(mapped), R.sequence_gradients()) <= tol
 
 
