@@ -316,28 +316,48 @@ def per_example_grads(f, params, *batch):
         return value_and_grad(f, params, *[one_example(e) for e in example])[1]
 
     batch = tuple(batch)
-    if not _has_batch_matmul(one, batch):
+    traced, batch_matmul = _one_example_grad(f, params, batch)
+    if not batch_matmul:
         return tf.vectorized_map(one, batch, fallback_to_while_loop=True)
     # pfor's vectorisation of a batched matmul's gradient (tf.einsum lowers
     # to BatchMatMulV2: EinsumDense, MultiHeadAttention) corrupts the heap
     # (TF 2.21 CPU: "free(): invalid pointer", a segfault or an abort a few
-    # ops later): a loop over the examples instead, one gradient each.
+    # ops later): a loop over the examples instead, one gradient each, the
+    # body a call of the function traced once.
     signature = [tf.TensorSpec(p.shape, p.dtype) for p in params]
-    return tf.map_fn(one, batch, fn_output_signature=signature)
+    return tf.map_fn(lambda example: traced(list(params), example), batch, fn_output_signature=signature)
 
 
 _BATCH_MATMUL = ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum")
+# The last function traced by `_one_example_grad`: the exact Fisher asks for
+# per-example gradients of the same `f` once per class, and tracing a
+# Transformer's gradient each time cost minutes.
+_LAST_TRACED = {}
 
 
-def _has_batch_matmul(fn, batch):
-    """Whether `fn` of one example (traced, not run) contains a batched
-    matmul, in its graph or in a function it calls."""
-    spec = tf.nest.map_structure(lambda a: tf.TensorSpec(a.shape[1:], a.dtype), batch)
-    graph = tf.function(fn).get_concrete_function(spec).graph
-    if any(op.type in _BATCH_MATMUL for op in graph.get_operations()):
-        return True
-    library = graph.as_graph_def().library
-    return any(node.op in _BATCH_MATMUL for f in library.function for node in f.node_def)
+def _one_example_grad(f, params, batch):
+    """``(traced, has_batch_matmul)``: the gradient of `f` for one example
+    as a concrete function of ``(params, example)``, and whether it contains
+    a batched matmul (in its graph or a function it calls)."""
+    specs = (
+        tuple(tf.TensorSpec(p.shape, p.dtype) for p in params),
+        tf.nest.map_structure(lambda a: tf.TensorSpec(a.shape[1:], a.dtype), batch),
+    )
+    key = (specs[0], tuple(tf.nest.flatten(specs[1])), str(tf.nest.map_structure(lambda _: 0, batch)))
+    if _LAST_TRACED.get("f") is f and _LAST_TRACED.get("key") == key:
+        return _LAST_TRACED["traced"], _LAST_TRACED["batch_matmul"]
+
+    def grad(p, example):
+        return value_and_grad(f, list(p), *[one_example(e) for e in example])[1]
+
+    traced = tf.function(grad).get_concrete_function(list(specs[0]), specs[1])
+    graph = traced.graph
+    found = any(op.type in _BATCH_MATMUL for op in graph.get_operations())
+    if not found:
+        library = graph.as_graph_def().library
+        found = any(node.op in _BATCH_MATMUL for fn in library.function for node in fn.node_def)
+    _LAST_TRACED.update(f=f, key=key, traced=traced, batch_matmul=found)
+    return traced, found
 
 
 def compile(fn):
