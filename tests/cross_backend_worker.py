@@ -72,21 +72,7 @@ def compute():
         "per_example": lambda: rows(kc.per_example_gradients(model, x, y)),
         "sampled": lambda: kc.sampled_label_gradients(model, x, num_samples=2, seed=5),
     }
-    for key, step in steps.items():
-        # Each quantity on its own, so one failure does not hide the others.
-        try:
-            value = step()
-        except Exception as e:  # reported by the test
-            errors.append(f"{key}: {type(e).__name__}: {str(e)[:300]}")
-            continue
-        if key == "loss_grad":
-            out["loss"] = np.asarray(keras.ops.convert_to_numpy(value[0])).reshape(1)
-            out["grad"] = flat(value[1])
-        elif key == "sampled":
-            out["sampled"] = rows(value[0])
-            out["labels"] = np.asarray(value[1])
-        else:
-            out[key] = value
+    collect(out, errors, steps, flat, rows)
     transformer(out, errors, flat, rows, estimate)
     out["errors"] = np.array(errors, dtype=str)
     return out
@@ -131,15 +117,27 @@ def transformer(out, errors, flat, rows, estimate):
         "lm_sr_kfac": lambda: estimate(ks.riemannian_sharpness(model, x, y, metric="kfac", damping=0.1, **probed)),
         "lm_fisher_mc": lambda: flat(ks.fisher_diagonal(model, x, kind="mc", num_samples=2, seed=5, **kw)),
     }
+    collect(out, errors, steps, flat, rows, prefix="lm_")
+
+
+def collect(out, errors, steps, flat, rows, prefix=""):
+    """Runs each step on its own, so one failure does not hide the others:
+    its value into `out` (``<prefix>loss_grad`` as ``loss`` and ``grad``,
+    ``sampled`` as its rows and labels), its error into `errors`."""
+    import keras
+
     for key, step in steps.items():
         try:
             value = step()
         except Exception as e:  # reported by the test
             errors.append(f"{key}: {type(e).__name__}: {str(e)[:300]}")
             continue
-        if key == "lm_loss_grad":
-            out["lm_loss"] = np.asarray(keras.ops.convert_to_numpy(value[0])).reshape(1)
-            out["lm_grad"] = flat(value[1])
+        if key == prefix + "loss_grad":
+            out[prefix + "loss"] = np.asarray(keras.ops.convert_to_numpy(value[0])).reshape(1)
+            out[prefix + "grad"] = flat(value[1])
+        elif key == "sampled":
+            out["sampled"] = rows(value[0])
+            out["labels"] = np.asarray(value[1])
         else:
             out[key] = value
 
