@@ -14,9 +14,11 @@ compute thread unless ``--threads`` says otherwise) is a smoke run.
 
 Measured on (a) an MLP 784-512-512-10 (ReLU, logits, sparse CE) and (b) a
 small CNN (28x28x1, Conv 16 3x3 relu, MaxPool, Conv 32 3x3 relu, MaxPool,
-Flatten, Dense 10), both on 256 random examples, every time warm (after a
-call that compiles), as ratios to one batch gradient or HVP measured in the
-same process, interleaved:
+Flatten, Dense 10), both on 256 random examples, and (c) the bench
+Transformer of ``sam_step.py`` (4 post-LN blocks, d=128, 4 heads, gelu,
+sequence 64, vocabulary 512, one label per sequence) on 32 random
+sequences, every time warm (after a call that compiles), as ratios to one
+batch gradient or HVP measured in the same process, interleaved:
 
 - kernels: one gradient, one Hessian-vector product and one GGN-vector
   product (the operators' batched kernels with k = 1);
@@ -46,6 +48,7 @@ import warnings
 
 from _backends import run_each_backend  # noqa: E402  (bench/ is the script's own folder)
 BATCH = 256
+TRANSFORMER_BATCH = 32  # sequences of 64 tokens: 2048 tokens, as sam_step.py's attention rows
 # Goals (issue "trustworthy sharpness"): ratio -> bound, per model.
 GOALS = {
     "fisher_diag_over_grad": {"mlp": 25.0, "cnn": 25.0},
@@ -91,12 +94,23 @@ def build_models(keras):
         ],
         name="cnn",
     )
-    for m in (mlp, cnn):
+    import sam_step  # the same Transformer as the step bench
+
+    transformer = keras.Model(*sam_step.attention_graph(keras, "transformer"), name="transformer")
+    for m in (mlp, cnn, transformer):
         m.compile(loss=loss)
-    return {"mlp": mlp, "cnn": cnn}
+    return {"mlp": mlp, "cnn": cnn, "transformer": transformer}
+
+
+def batch_of(model_name):
+    return TRANSFORMER_BATCH if model_name == "transformer" else BATCH
 
 
 def make_data(np, model_name):
+    if model_name == "transformer":
+        import sam_step
+
+        return sam_step.make_data(np, "transformer", TRANSFORMER_BATCH)
     rng = np.random.default_rng(1 if model_name == "mlp" else 2)
     shape = (BATCH, 784) if model_name == "mlp" else (BATCH, 28, 28, 1)
     x = rng.standard_normal(shape).astype("float32")
@@ -309,6 +323,8 @@ def run_backend(args):
     R = cfg["estimator_repeats"]
 
     for name, model in models.items():
+        if args.models and name not in args.models.split(","):
+            continue
         x_np, y_np = make_data(np, name)
         x, y = ops.convert_to_tensor(x_np), ops.convert_to_tensor(y_np)
         fns = model_functions(model)
@@ -334,21 +350,21 @@ def run_backend(args):
 
         def estimators():
             def fisher():
-                return S.fisher_diagonal(model, x_np, y_np, kind="exact", batch_size=BATCH)
+                return S.fisher_diagonal(model, x_np, y_np, kind="exact", batch_size=batch_of(name))
 
             fisher()  # compiles
             D, r["fisher_diag_s"] = median_time(fisher, R)
             r["trace_ggn_exact"] = float(sum(float(d.sum()) for d in D))
-            unsplit = lambda: S.hessian_trace(model, x_np, y_np, num_probes=P, rtol=None, split=False, batch_size=BATCH)
+            unsplit = lambda: S.hessian_trace(model, x_np, y_np, num_probes=P, rtol=None, split=False, batch_size=batch_of(name))
             unsplit()
             est, dt = median_time(unsplit, R)
             r["probe_s"], r["trace_unsplit"], r["trace_unsplit_stderr"] = dt / P, est.value, est.stderr
             for metric in ("diagonal", "kfac"):
-                fn = lambda metric=metric: S.riemannian_sharpness(model, x_np, y_np, metric=metric, batch_size=BATCH)
+                fn = lambda metric=metric: S.riemannian_sharpness(model, x_np, y_np, metric=metric, batch_size=batch_of(name))
                 fn()
                 est, r[f"sr_{metric}_s"] = median_time(fn, R)
                 r[f"sr_{metric}"], r[f"sr_{metric}_stderr"], r[f"sr_{metric}_probes"] = est.value, est.stderr, est.num_samples
-            fn = lambda: S.hessian_trace(model, x_np, y_np, batch_size=BATCH)
+            fn = lambda: S.hessian_trace(model, x_np, y_np, batch_size=batch_of(name))
             fn()
             est, r["trace_default_s"] = median_time(fn, R)
             r["trace_default"], r["trace_default_stderr"] = est.value, est.stderr
@@ -570,7 +586,7 @@ def markdown(results):
     cfg = results[0]["settings"]
     lines.append("")
     lines.append(
-        f"Batch {BATCH}, warm calls. Kernels: median of {cfg['repeats']} interleaved calls. Estimators: median of "
+        f"Batch {BATCH} (transformer: {TRANSFORMER_BATCH} sequences of 64 tokens), warm calls. Kernels: median of {cfg['repeats']} interleaved calls. Estimators: median of "
         f"{cfg['estimator_repeats']} (defaults: rtol 0.05, relative damping 1e-3). probe/HVP: hessian_trace(split=False, "
         f"{cfg['probes']} probes) per probe over one HVP. Memory budget: 4 x parameter bytes + one batch of activations. "
         f"Compute threads: {cfg.get('threads', 'default')}. ERR: failed (see Errors)."
@@ -659,6 +675,7 @@ def machine_line(results=None):
 # ----------------------------------------------------------------- main ---
 def run_all(args):
     extra = (["--quick"] if args.quick else []) + (["--threads", str(args.threads)] if args.threads else [])
+    extra += ["--models", args.models] if args.models else []
     results, failed = run_each_backend(__file__, extra)
     if results:
         print(f"Machine: {machine_line(results)}\n")
@@ -680,6 +697,7 @@ def main(argv=None):
         "--threads", type=int, default=None,
         help="compute threads per process (default: each library's own; --quick: 1, robust on a shared machine)",
     )
+    ap.add_argument("--models", help="comma-separated subset of mlp,cnn,transformer (default: all)")
     ap.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.memory_child:
