@@ -47,7 +47,7 @@ def loss_and_gradient(model, x, y, params=None, loss=None, batch_size=None, trai
 
     Args:
         model: a built single-output ``keras.Model``.
-        x: inputs: a NumPy array or backend tensor (or a list of them for
+        x: inputs: a NumPy array or backend tensor (or a list or dict of them for
             several inputs).
         y: targets of the same length.
         params: a list like the trainable variables, to evaluate at other
@@ -112,7 +112,7 @@ def hvp(model, x, y, vectors, loss=None, batch_size=None, training=False, sample
 
     Args:
         model: a built single-output ``keras.Model``.
-        x: inputs: a NumPy array or backend tensor (or a list of them for
+        x: inputs: a NumPy array or backend tensor (or a list or dict of them for
             several inputs).
         y: targets of the same length.
         vectors: a list with one array per trainable variable, shaped like
@@ -163,7 +163,7 @@ def ggnvp(model, x, y=None, vectors=None, reduction="mean", loss=None, batch_siz
 
     Args:
         model: a built single-output ``keras.Model``.
-        x: inputs: a NumPy array or backend tensor (or a list of them for
+        x: inputs: a NumPy array or backend tensor (or a list or dict of them for
             several inputs).
         y: ignored (the GGN needs no labels). Defaults to `None`.
         vectors: a list with one array per trainable variable, shaped like
@@ -227,7 +227,7 @@ def per_example_gradients(model, x, y, loss=None, batch_size=None, training=Fals
 
     Args:
         model: a built single-output ``keras.Model``.
-        x: inputs: a NumPy array or backend tensor (or a list of them for
+        x: inputs: a NumPy array or backend tensor (or a list or dict of them for
             several inputs).
         y: targets of the same length.
         loss: loss to use instead of the compiled one. Defaults to `None`.
@@ -287,7 +287,7 @@ def sampled_label_gradients(model, x, num_samples=1, seed=0, batch_size=None, tr
 
     Args:
         model: a built single-output ``keras.Model``.
-        x: inputs: a NumPy array or backend tensor (or a list of them for
+        x: inputs: a NumPy array or backend tensor (or a list or dict of them for
             several inputs).
         num_samples: labels drawn per example. Defaults to `1`.
         seed: seeds the draw. Defaults to `0`.
@@ -330,7 +330,7 @@ def predict_probs(model, x, batch_size=None, training=False, loss=None):
 
     Args:
         model: a built single-output ``keras.Model``.
-        x: inputs: a NumPy array or backend tensor (or a list of them for
+        x: inputs: a NumPy array or backend tensor (or a list or dict of them for
             several inputs).
         batch_size: examples per batch. Defaults to `None` (all at once).
         training: run layers in training mode. Defaults to `False`.
@@ -410,7 +410,7 @@ def jvp(model, x, vectors, training=False):
 
     Args:
         model: a built single-output ``keras.Model``.
-        x: inputs: a NumPy array or backend tensor (or a list of them for
+        x: inputs: a NumPy array or backend tensor (or a list or dict of them for
             several inputs).
         vectors: a list with one array per trainable variable, shaped like
             it.
@@ -446,7 +446,7 @@ def vjp(model, x, cotangent, training=False):
 
     Args:
         model: a built single-output ``keras.Model``.
-        x: inputs: a NumPy array or backend tensor (or a list of them for
+        x: inputs: a NumPy array or backend tensor (or a list or dict of them for
             several inputs).
         cotangent: ``u``, an array shaped like the model's output on `x`.
         training: run layers in training mode. Defaults to `False`.
