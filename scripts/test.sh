@@ -24,6 +24,9 @@
 #   WORKERS       pytest-xdist worker processes per run (default auto: one per core;
 #                 0 runs in the pytest process itself). Files are not split between
 #                 workers (--dist loadfile): module fixtures are built once.
+#   STAGE_LIMIT   seconds one pytest run may take before it is stopped (default 2400): a
+#                 hung run (pytest-xdist waits forever once a worker process dies)
+#                 fails its stage with exit 124 instead of eating the whole CI budget
 #   KERAS_GEOSAM_SMALL_GUIDES  1: integration_tests also run the guides' small modes
 #                 (minutes each per backend; CI runs the guides' smoke modes only)
 set -uo pipefail
@@ -37,6 +40,7 @@ TORCH_REQ="${TORCH_REQ:-torch==2.13.0}"
 SKIP_INSTALL="${SKIP_INSTALL:-0}"
 BACKENDS="${BACKENDS:-tensorflow jax torch}"
 WORKERS="${WORKERS:-auto}"
+STAGE_LIMIT="${STAGE_LIMIT:-2400}"
 # Split PYTEST_ARGS like a shell would (quotes honoured, nothing executed):
 # PYTEST_ARGS='-k "not slow" -x'
 PYTEST_EXTRA=()
@@ -110,8 +114,10 @@ run_pytest() {  # run_pytest BACKEND DIR -> sets LAST_RC
     stage_start "$dir [KERAS_BACKEND=$backend]"
     local parallel=()
     [[ "$WORKERS" != 0 ]] && parallel=(-n "$WORKERS" --dist loadfile)
-    KERAS_BACKEND="$backend" "$PY" -m pytest "$dir" -q "${parallel[@]}" "${PYTEST_EXTRA[@]}"
+    KERAS_BACKEND="$backend" timeout -k 30 "$STAGE_LIMIT" \
+        "$PY" -m pytest "$dir" -q --durations=15 "${parallel[@]}" "${PYTEST_EXTRA[@]}"
     LAST_RC=$?
+    (( LAST_RC == 124 || LAST_RC == 137 )) && echo "scripts/test.sh: $dir [$backend] stopped after ${STAGE_LIMIT}s (STAGE_LIMIT)"
     stage_end "$dir [$backend] exit $LAST_RC"
 }
 
@@ -138,6 +144,7 @@ describe() {  # describe RC KIND
         0) echo "passed" ;;
         5) [[ $2 == integ ]] && echo "no tests (ok)" || echo "FAILED (no tests collected, exit 5)" ;;
         absent) echo "no directory (ok)" ;;
+        124|137) echo "FAILED (over STAGE_LIMIT)" ;;
         *) echo "FAILED (exit $1)" ;;
     esac
 }

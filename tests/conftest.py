@@ -3,6 +3,7 @@
     KERAS_BACKEND=jax|tensorflow|torch python -m pytest tests
 """
 
+import gc
 import os
 
 # Must precede any jax import (Keras' JAX backend and the test reference both
@@ -38,6 +39,26 @@ def float64():
     finally:
         keras.config.set_floatx("float32")
         keras.config.set_dtype_policy("float32")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_code():
+    """Frees every compiled function after each test module.
+
+    Each executable XLA compiles on CPU holds a few memory mappings until
+    its function is freed, and a process may hold at most
+    ``vm.max_map_count`` (65530 by default). A JAX xdist worker that ran most
+    of the suite reached 58k mappings, and XLA then aborted inside a compile
+    (the mmap it needed failed). Dropping JAX's caches between modules keeps
+    a worker far below the limit; the other backends keep what they compiled
+    on their models, which go with the module."""
+    yield
+    if keras.backend.backend() == "jax":
+        import jax
+
+        jax.clear_caches()
+    keras.backend.clear_session()
+    gc.collect()
 
 
 @pytest.fixture(autouse=True)
