@@ -47,7 +47,11 @@ What is measured, per run, at the final weights:
 - the **generalisation gap**, in two forms: `gap_loss = test loss - train
   loss` (the primary one) and `gap_acc = train accuracy - test accuracy`,
   both on the whole train and test sets;
-- on a fixed subset of test examples (the same for every run): S_R with the
+- whether the run **trained** (finite loss, train accuracy at least twice
+  chance): a collapsed network's sharpness describes no minimum, so invalid
+  runs stay in the CSV and the figure (grey) and out of every statistic;
+- on a fixed subset of *training* examples (the same for every run; the
+  claims are about the Hessian of the training loss): S_R with the
   K-FAC Fisher metric and with the diagonal Fisher metric (relative damping
   0.1, as in the main job; each with its standard error), `tr H` (with its
   standard error), `lambda_max` and the Riemannian `lambda_max` (largest
@@ -106,19 +110,10 @@ def describe(summary):
                              f"[{k['ci_low']:.3f}, {k['ci_high']:.3f}] ({100 * conf:g}%): {verdict}.")
         for gap, pairs in d.get("comparisons", {}).items():
             for pair, c in pairs.items():
-                if c["ci_low"] is None:
-                    continue
-                a, b = (stats.MEASURES[p] for p in pair.split(" - "))
-                if c["ci_low"] > 0:
-                    verdict = f"{a} is more positively associated with the gap than {b}"
-                elif c["ci_high"] < 0:
-                    verdict = f"{b} is more positively associated with the gap than {a}"
-                else:
-                    verdict = "no evidence that either is more positively associated"
-                lines.append(f"  tau({a}) - tau({b}) for {stats.GAPS[gap]}: {c['value']:.3f} "
-                             f"[{c['ci_low']:.3f}, {c['ci_high']:.3f}]: {verdict}.")
+                lines.append(f"  {stats.GAPS[gap]}: {stats.describe_comparison(pair, c, gap)}")
         for m in stats.EXPONENT_MEASURES:
-            f = d["exponents"].get(m, {}).get("all")
+            fits = d["exponents"].get(m, {})
+            f = fits.get("all") or next(iter(fits.values()), None)
             if not f or f["exponent"] is None:
                 continue
             if f["ci_low"] is None:
@@ -126,7 +121,7 @@ def describe(summary):
                              f"({f['n']} runs).")
                 continue
             covers = f["ci_low"] <= 1 <= f["ci_high"]
-            lines.append(f"  {stats.MEASURES[m]} ~ (B/eta)^b over all runs: b = {f['exponent']:.3f} "
+            lines.append(f"  {stats.MEASURES[m]} ~ (B/eta)^b over all valid runs: b = {f['exponent']:.3f} "
                          f"(t interval [{f['ci_low']:.3f}, {f['ci_high']:.3f}]); the predicted b = 1 is "
                          f"{'inside' if covers else 'outside'} it.")
     return "\n".join(lines)
@@ -149,7 +144,7 @@ def main(argv=None):
     ## 1. The grid
 
     Every run trains the same MLP from a seeded initialisation with one
-    optimizer from `keras_geosam.cli.OPTIMIZERS`: plain SGD with momentum
+    optimizer from `keras_geosam.experiments.optimizers.OPTIMIZERS`: plain SGD with momentum
     0.9, SAM (rho 0.05), and LLQR+SAM (rho 0.1; diagonal U, and a K-FAC U in
     the full grid), each wrapping that same SGD at the run's learning rate.
     The grid crosses those with batch sizes, learning rates and seeds. The
@@ -161,7 +156,8 @@ def main(argv=None):
     print(f"backend: {keras.backend.backend()}; mode: {settings['preset']}")
     for key in ("datasets", "optimizers", "batch_sizes", "learning_rates", "seeds"):
         print(f"  {key:15s} {', '.join(map(str, settings[key])) or '(your data)'}")
-    print(f"  {settings['epochs']} epochs, {settings['probe_size']} probe examples, width {settings['width']}")
+    print(f"  {settings['epochs']} epochs, {settings['probe_size']} probe examples ({settings['probe_data']}), "
+          f"width {settings['width']}, damping {settings['damping']:g}")
 
     """
     ## 2. Running it, resumably

@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 
 _SUBMODULES = (
     "backend", "callbacks", "curvature", "datasets", "distribution", "estimators",
-    "optimizers", "preconditioner", "reparam", "sharpness", "study", "training",
+    "experiments", "optimizers", "preconditioner", "reparam", "sharpness", "study", "training",
 )
 _TRAINING = ("Model", "Sequential", "attach")
 __all__ = list(_SUBMODULES) + list(_TRAINING)

@@ -13,29 +13,19 @@ import os
 import sys
 import time
 
-
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_ints(text):
-    return [_positive_int(t.strip()) for t in text.split(",") if t.strip()] or _positive_int("")
-
-
-def _positive_float(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
+from keras_geosam.experiments import DAMPING
+from keras_geosam.experiments.arguments import fraction as _fraction
+from keras_geosam.experiments.arguments import from_csv as _from_csv
+from keras_geosam.experiments.arguments import nonneg_float as _nonneg_float
+from keras_geosam.experiments.arguments import positive_float as _positive_float
+from keras_geosam.experiments.arguments import positive_int as _positive_int
+from keras_geosam.experiments.arguments import positive_ints as _positive_ints
+from keras_geosam.experiments.data import PROBE_SOURCES
+from keras_geosam.experiments.data import probe_subset
+from keras_geosam.experiments.models import build_mlp
+from keras_geosam.experiments.optimizers import OPTIMIZERS
+from keras_geosam.experiments.optimizers import names_help as _optimizer_names
+from keras_geosam.experiments.validity import check_run
 
 
 def backend_that_will_run():
@@ -86,9 +76,12 @@ def _parse(argv):
     p.add_argument("--compare", action="store_true", help=f"optimizer comparison: --optimizers {COMPARISON} at batch size 32 on digits and mnist1d, unless given")
     p.add_argument("--epochs", type=_positive_int, default=20, help="training epochs per run")
     p.add_argument("--batch-sizes", type=_positive_ints, default="16,256", help="comma-separated batch sizes, one run each per optimizer")
-    p.add_argument("--optimizers", default="sgd", help="comma-separated: " + ", ".join(sorted(OPTIMIZERS)))
-    p.add_argument("--lr", type=_positive_float, default=0.05, help="learning rate of the SGD (momentum 0.9) every optimizer wraps")
-    p.add_argument("--probe-size", type=_positive_int, default=256, help="test examples used for sharpness")
+    p.add_argument("--optimizers", default="sgd", help="comma-separated: " + _optimizer_names())
+    p.add_argument("--lr", type=_positive_float, default=0.05, help="learning rate of the base optimizer")
+    p.add_argument("--probe-data", choices=PROBE_SOURCES, default="train", help="where the examples sharpness is measured on come from: the training set (the Hessian of the training loss, which the papers' claims are about) or the test set")
+    p.add_argument("--probe-size", type=_positive_int, default=256, help="examples (the first of --probe-data) sharpness is measured on")
+    p.add_argument("--damping", type=_nonneg_float, default=DAMPING, help=f"relative damping of the damped S_R and lambda_max R columns (default: {DAMPING}; the library's functions default to 1e-3)")
+    p.add_argument("--min-train-acc", type=_fraction, default=None, help="final train accuracy below which a run is flagged as collapsed (default: twice chance, 2 / classes)")
     p.add_argument("--num-probes", type=_positive_int, default=20, help="Hutchinson probes per round (more rounds until stderr <= 5%% of the value, at most 100 probes)")
     p.add_argument("--log-every", type=_positive_int, default=None, help=f"epochs between sharpness logs during training (default: epochs / {LOGS_PER_RUN}, rounded up, which keeps logging under a quarter of the job's time)")
     p.add_argument("--output", default="geosam_output", help="folder for results.csv, sharpness.png and per-run histories")
@@ -103,53 +96,7 @@ def _parse(argv):
     return args
 
 
-def _sgd(lr, **_):
-    import keras
-
-    return keras.optimizers.SGD(lr, momentum=0.9)
-
-
-def _two_pass(cls, **kw):
-    def make(lr):
-        from keras_geosam import optimizers
-
-        return getattr(optimizers, cls)(_sgd(lr), **kw)
-
-    return make
-
-
-# name -> factory(lr); every two-pass optimizer wraps the same SGD-momentum
-# base, with the spec's suggested radius for small image classifiers.
-# LLQR refreshes every 100 steps here (the reference's 1000 would mean one
-# refresh every ~24 digits epochs).
-OPTIMIZERS = {
-    "sgd": _sgd,
-    "sam": _two_pass("SAM", rho=0.05),
-    "asam": _two_pass("SAM", rho=0.5, adaptive=True),
-    "fsam": _two_pass("FSAM", rho=0.05),
-    "fishersam": _two_pass("FisherSAM", rho=0.05),
-    "llqr": _two_pass("LLQR", refresh_every=100),
-    "llqr-kfac": _two_pass("LLQR", structure="kfac", refresh_every=100),
-    "llqrsam": _two_pass("LLQRSAM", rho=0.1, refresh_every=100),
-    "llqrsam-kfac": _two_pass("LLQRSAM", rho=0.1, structure="kfac", refresh_every=100),
-}
 COMPARISON = "sgd,sam,asam,llqr,llqrsam,llqrsam-kfac"
-
-
-def build_mlp(input_dim, num_classes, seed, width=128):
-    import keras
-
-    from keras_geosam.training import Sequential
-
-    keras.utils.set_random_seed(seed)
-    return Sequential(
-        [
-            keras.Input((input_dim,)),
-            keras.layers.Dense(width, activation="relu"),
-            keras.layers.Dense(width, activation="relu"),
-            keras.layers.Dense(num_classes),
-        ]
-    )
 
 
 def _datasets(args):
@@ -174,15 +121,21 @@ def run(args):
         f"\nvalue ± standard error ((~0): within 2 standard errors of zero; ± 0: exact).\n"
         f"S_R diag: undamped diagonal exact-Fisher S_R; for ReLU nets it equals\n"
         f"'nonzero F' (the parameters with nonzero Fisher), so read 'S_R diag/nnz'. Damped\n"
-        f"columns use relative damping {DAMPING}. tr H and lambda_max are Euclidean;\n"
+        f"columns use relative damping {args.damping}. tr H and lambda_max are Euclidean;\n"
         f"lambda_max R is the top eigenvalue of M^-1/2 H M^-1/2 (K-FAC metric); for\n"
         f"lambda_max the ± is the Lanczos residual bound.\n"
-        f"All on up to {args.probe_size} test examples, {args.num_probes} probes per round, seed {args.seed}."
+        f"All on the first {args.probe_size} (at most) {dict(train='training', test='test')[args.probe_data]} examples, {args.num_probes} probes per "
+        f"round, seed {args.seed}.\nnote: a run whose final train accuracy is below "
+        f"{'--min-train-acc ' + str(args.min_train_acc) if args.min_train_acc is not None else 'twice chance'} "
+        f"collapsed (or diverged): its sharpness describes no minimum."
     )
+    bad = [r for r in rows if r.get("note")]
+    if bad:
+        print(f"\n{len(bad)} of {len(rows)} run(s) did not train: " + "; ".join(f"{r['run']}: {r['note']}" for r in bad))
     print(f"\nresults: {results.path}")
     if not args.no_plot:
         png = os.path.join(args.output, "sharpness.png")
-        plot(curves, png)
+        plot(curves, png, damping=args.damping)
         print(f"plot:    {png}")
     return rows
 
@@ -203,7 +156,8 @@ def _config(args, dataset):
     if dataset.endswith(".npz"):
         stat = os.stat(dataset)
         data = f"{data}:{stat.st_size}:{int(stat.st_mtime)}"
-    fields = [data, args.epochs, args.lr, args.seed, args.probe_size, args.num_probes, args.log_every, DAMPING, __version__]
+    fields = [data, args.epochs, args.lr, args.seed, args.probe_data, args.probe_size, args.num_probes, args.log_every,
+              args.damping, args.min_train_acc, __version__]
     return hashlib.sha1(json.dumps(fields).encode()).hexdigest()[:12]
 
 
@@ -259,19 +213,18 @@ def run_dataset(args, dataset, results):
     name_of_data = _dataset_label(dataset)
     if x_tr.ndim > 2:
         x_tr, x_te = x_tr.reshape(len(x_tr), -1), x_te.reshape(len(x_te), -1)
-    probe = slice(0, min(args.probe_size, len(x_te)))
-    xp, yp = x_te[probe], y_te[probe]
+    xp, yp = probe_subset((x_tr, y_tr), (x_te, y_te), args.probe_size, args.probe_data)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     names = [s.strip() for s in args.optimizers.split(",") if s.strip()]
     for n in names:
         if n not in OPTIMIZERS:
-            raise SystemExit(f"unknown optimizer {n!r}; choose from {sorted(OPTIMIZERS)}")
+            raise SystemExit(f"unknown optimizer {n!r}; {_optimizer_names()}")
     batch_sizes = list(args.batch_sizes)
     config = _config(args, dataset)
     print(
         f"keras_geosam main job: backend={keras.backend.backend()} dataset={name_of_data} "
         f"train={len(x_tr)} test={len(x_te)} classes={classes} epochs={args.epochs} "
-        f"probe examples={len(xp)} sharpness every {args.log_every} epoch(s)",
+        f"probe examples={len(xp)} ({args.probe_data}) sharpness every {args.log_every} epoch(s)",
         flush=True,
     )
     Logger = type("SharpnessLogger", (_TimedLogger, kg.callbacks.SharpnessLogger), {})
@@ -302,7 +255,7 @@ def run_dataset(args, dataset, results):
             xp, yp,
             metrics=LOGGED,
             every_n_epochs=args.log_every, num_probes=args.num_probes, seed=args.seed,
-            options={"riemannian_sharpness_kfac": {"damping": DAMPING}},
+            options={"riemannian_sharpness_kfac": {"damping": args.damping}},
             verbose=int(args.verbose >= 2),
         )
         logger.announce = label if args.verbose else None
@@ -323,14 +276,15 @@ def run_dataset(args, dataset, results):
         row = {"run": label, "config": config, "dataset": name_of_data, "optimizer": name, "batch": bs,
                "seconds": seconds, "logging seconds": logger.seconds}
         t1 = time.perf_counter()
-        row.update(final_metrics(model, x_te, y_te, xp, yp, args))
+        row.update(final_metrics(model, (x_tr, y_tr), (x_te, y_te), xp, yp, args, classes))
         row["final sharpness seconds"] = time.perf_counter() - t1
         _write_json(hist_path, hist.history)
         results.append(row)
         out.append(row)
         curves[f"{name} B={bs}"] = hist.history
         if args.verbose:
-            print(f"  [{i}/{len(runs)}] {label}: test acc {row['test_acc']:.4f} ({time.perf_counter() - t0:.1f}s in all)", flush=True)
+            print(f"  [{i}/{len(runs)}] {label}: train acc {row['train_acc']:.4f}, test acc {row['test_acc']:.4f} "
+                  f"({time.perf_counter() - t0:.1f}s in all)" + (f"; {row['note']}" if row["note"] else ""), flush=True)
     return out, curves
 
 
@@ -421,18 +375,6 @@ class ResultsFile:
         self.rows.append(row)
 
 
-def _from_csv(text):
-    """A CSV cell as int, float or the text itself (empty stays empty)."""
-    if text in ("", None):
-        return text
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
 FINAL_ESTIMATES = ("S_R diag", "S_R diag damped", "S_R mc(8) damped", "S_R kfac", "tr H", "lambda_max", "lambda_max R")
 LOGS_PER_RUN = 4
 # Logged during training (the plot's curves); the final table has them all.
@@ -441,26 +383,42 @@ LOGS_PER_RUN = 4
 LOGGED = ("hessian_trace", "riemannian_sharpness_kfac")
 
 
-def final_metrics(model, x_te, y_te, xp, yp, args):
-    """Test accuracy and every sharpness measure at the final weights, each
-    with its standard error (``<name> stderr``)."""
+def final_metrics(model, train, test, xp, yp, args, num_classes):
+    """Train and test accuracy and every sharpness measure at the final
+    weights, each with its standard error (``<name> stderr``), and ``note``:
+    empty, or why the run is not a trained network (``check_run``). A
+    diverged run (non-finite weights or loss) gets NaN sharpness; a
+    collapsed one is measured and flagged."""
+    import math
     import warnings
+
+    import numpy as np
 
     from keras_geosam import sharpness as S
 
-    out = {"test_acc": float(model.evaluate(x_te, y_te, verbose=0)[1])}
+    train_loss, train_acc = model.evaluate(*train, batch_size=1024, verbose=0)
+    out = {"train_acc": float(train_acc), "test_acc": float(model.evaluate(*test, batch_size=1024, verbose=0)[1])}
+    finite = all(np.all(np.isfinite(np.asarray(w))) for w in model.get_weights())
+    _, out["note"] = check_run(train_loss, train_acc, num_classes, weights_finite=finite,
+                               min_train_acc=args.min_train_acc)
+    if out["note"].startswith("diverged"):
+        for name in FINAL_ESTIMATES:
+            out[name] = out[name + " stderr"] = math.nan
+        out.update({"nonzero F": math.nan, "params": model.count_params(), "S_R diag/nnz": math.nan})
+        return out
+    damping = args.damping
     kw = dict(num_probes=args.num_probes, seed=args.seed)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*piecewise linear.*")
         d = S.riemannian_sharpness(model, xp, yp, metric="diagonal", damping=0.0, **kw)
         estimates = {
             "S_R diag": d,
-            "S_R diag damped": S.riemannian_sharpness(model, xp, yp, metric="diagonal", damping=DAMPING, **kw),
-            "S_R mc(8) damped": S.riemannian_sharpness(model, xp, yp, metric="diagonal", fisher="mc", num_samples=8, damping=DAMPING, **kw),
-            "S_R kfac": S.riemannian_sharpness(model, xp, yp, metric="kfac", damping=DAMPING, **kw),
+            "S_R diag damped": S.riemannian_sharpness(model, xp, yp, metric="diagonal", damping=damping, **kw),
+            "S_R mc(8) damped": S.riemannian_sharpness(model, xp, yp, metric="diagonal", fisher="mc", num_samples=8, damping=damping, **kw),
+            "S_R kfac": S.riemannian_sharpness(model, xp, yp, metric="kfac", damping=damping, **kw),
             "tr H": S.hessian_trace(model, xp, yp, **kw),
             "lambda_max": S.hessian_max_eigenvalue(model, xp, yp, seed=args.seed),
-            "lambda_max R": S.riemannian_max_eigenvalue(model, xp, yp, metric="kfac", damping=DAMPING, seed=args.seed),
+            "lambda_max R": S.riemannian_max_eigenvalue(model, xp, yp, metric="kfac", damping=damping, seed=args.seed),
         }
     for name, est in estimates.items():
         out[name] = float(est.value)
@@ -472,13 +430,7 @@ def final_metrics(model, x_te, y_te, xp, yp, args):
 
 
 # Table columns; a column with a "<name> stderr" partner prints "value ± stderr".
-COLUMNS = ["run", "test_acc", "S_R diag", "nonzero F", "S_R diag/nnz", "S_R diag damped", "S_R mc(8) damped", "S_R kfac", "tr H", "lambda_max", "lambda_max R"]
-
-# Relative damping of the damped S_R columns: a tenth of each block's mean
-# Fisher eigenvalue. Undamped, the K-FAC and Monte-Carlo estimates are
-# dominated by near-null directions.
-DAMPING = 0.1
-
+COLUMNS = ["run", "test_acc", "train_acc", "S_R diag", "nonzero F", "S_R diag/nnz", "S_R diag damped", "S_R mc(8) damped", "S_R kfac", "tr H", "lambda_max", "lambda_max R", "note"]
 
 def _number(v):
     return f"{v:.4f}" if abs(v) < 10 else f"{v:.4g}"
@@ -504,7 +456,7 @@ def format_table(rows):
     return "\n".join([line(COLUMNS), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
 
-def plot(curves_by_dataset, path):
+def plot(curves_by_dataset, path, damping=DAMPING):
     """One row of panels per dataset: accuracy, then each logged sharpness
     measure per epoch with a band of two standard errors."""
     import matplotlib
@@ -515,7 +467,7 @@ def plot(curves_by_dataset, path):
 
     panels = [
         ("val_accuracy", "test accuracy"),
-        ("riemannian_sharpness_kfac", f"K-FAC S_R (damping {DAMPING})"),
+        ("riemannian_sharpness_kfac", f"K-FAC S_R (damping {damping:g})"),
         ("hessian_trace", "tr H (Euclidean)"),
     ]
     rows = len(curves_by_dataset)

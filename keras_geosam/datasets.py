@@ -7,8 +7,19 @@ with a clear message when the file is not already cached.
 """
 
 import os
+import warnings
 
 import numpy as np
+
+# Inputs whose largest magnitude exceeds this are far from the [0, 1] or
+# standardised scale a freshly initialised network trains on: a warning.
+SANE_MAGNITUDE = 10.0
+
+
+class InputScalingWarning(UserWarning):
+    """:func:`load_npz` rescaled integer inputs, or found inputs far outside
+    a sane range (the message names the key)."""
+
 
 NAMES = ("digits", "mnist1d", "mnist", "cifar10")
 NPZ_KEYS = ("x_train", "y_train", "x_test", "y_test")
@@ -119,6 +130,15 @@ def load_npz(path):
     ``(N,)`` or ``(N, 1)``; one-hot rows are accepted and turned into
     indices). Inputs are cast to float32 and must be finite.
 
+    Integer inputs are image pixels, as CIFAR-10 and MNIST are usually
+    stored: they are scaled to [0, 1] as the ``keras.datasets`` path does
+    (divided by 255 when every value lies in [0, 255], otherwise by the
+    dtype's largest value), with an :class:`InputScalingWarning` that says
+    so. Unscaled 8-bit pixels train a dead network at the usual learning
+    rates. Inputs (after that) with magnitudes above
+    :data:`SANE_MAGNITUDE` get an :class:`InputScalingWarning` naming the
+    key; they are used as they are.
+
     Args:
         path: the ``.npz`` file, e.g. written by
             ``np.savez(path, x_train=..., y_train=..., x_test=..., y_test=...)``.
@@ -130,6 +150,10 @@ def load_npz(path):
         FileNotFoundError: no such file.
         ValueError: a key is missing, or lengths, shapes, labels or values
             are invalid; the message names the key.
+
+    Warns:
+        InputScalingWarning: integer inputs were scaled, or inputs lie far
+            outside a sane range.
 
     Example:
 
@@ -164,9 +188,19 @@ def load_npz(path):
             raise ValueError(f"x_{split} must hold at least one example with features, shape (N, ...); got shape {x.shape}.")
         if not np.issubdtype(x.dtype, np.number) or np.issubdtype(x.dtype, np.complexfloating):
             raise ValueError(f"x_{split} must be real numbers, got dtype {x.dtype}.")
+        if np.issubdtype(x.dtype, np.integer):
+            x = _scale_integer_pixels(x, f"x_{split}", path)
         x = x.astype("float32")
         if not np.all(np.isfinite(x)):
             raise ValueError(f"x_{split} holds NaN or Inf (or values beyond float32's range).")
+        peak = float(np.max(np.abs(x)))
+        if peak > SANE_MAGNITUDE:
+            warnings.warn(
+                f"{path!r}: x_{split} has values of magnitude up to {peak:.4g}, far outside [0, 1] or a "
+                f"standardised range; a network trained on it may collapse or diverge. Scale it (e.g. divide "
+                f"pixels by 255, or standardise each feature).",
+                InputScalingWarning, stacklevel=2,
+            )
         xs[split] = x
     if xs["train"].shape[1:] != xs["test"].shape[1:]:
         raise ValueError(
@@ -207,3 +241,16 @@ def load_npz(path):
                 f"{source}); store num_classes in the file if some classes are missing from y_train."
             )
     return (xs["train"], ys["train"].astype("int32")), (xs["test"], ys["test"].astype("int32")), classes
+
+
+def _scale_integer_pixels(x, key, path):
+    low, high = int(x.min()), int(x.max())
+    if low < 0:
+        return x  # signed integer features, not pixels: the range check judges them
+    top = 255 if high <= 255 else int(np.iinfo(x.dtype).max)
+    warnings.warn(
+        f"{path!r}: {key} holds integers ({x.dtype}, {low}..{high}); read as pixels and divided by {top} "
+        f"to [0, 1], as keras.datasets images are. Store float inputs to use them unscaled.",
+        InputScalingWarning, stacklevel=3,
+    )
+    return x.astype("float32") / np.float32(top)

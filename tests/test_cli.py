@@ -87,6 +87,42 @@ def test_load_npz_reads_and_converts(tmp_path):
     assert classes == 5
 
 
+def test_load_npz_scales_integer_pixels_and_says_so(tmp_path):
+    import numpy as np
+
+    from keras_geosam.datasets import InputScalingWarning
+    from keras_geosam.datasets import load_npz
+
+    r = np.random.default_rng(1)
+    pixels = r.integers(0, 256, size=(20, 5)).astype("uint8")
+    test = r.integers(0, 256, size=(6, 5)).astype("uint8")
+    with pytest.warns(InputScalingWarning, match=r"x_train.*uint8.*255"):
+        (x, _), (xt, _), _ = load_npz(_npz(tmp_path / "u8.npz", x_train=pixels, x_test=test))
+    np.testing.assert_array_equal(x, pixels.astype("float32") / np.float32(255))
+    np.testing.assert_array_equal(xt, test.astype("float32") / np.float32(255))
+    wide = (pixels.astype("uint16") * 257)  # 16-bit images reach 65535
+    with pytest.warns(InputScalingWarning, match="65535"):
+        (x, _), _, _ = load_npz(_npz(tmp_path / "u16.npz", x_train=wide, x_test=wide[:6]))
+    assert x.max() <= 1.0 and x.min() >= 0.0
+
+
+def test_load_npz_warns_of_inputs_far_outside_a_sane_range(tmp_path):
+    import warnings
+
+    import numpy as np
+
+    from keras_geosam.datasets import InputScalingWarning
+    from keras_geosam.datasets import load_npz
+
+    raw = np.random.default_rng(2).uniform(0, 255, size=(6, 5))  # float pixels left unscaled
+    with pytest.warns(InputScalingWarning, match="x_test.*magnitude"):
+        (x, _), (xt, _), _ = load_npz(_npz(tmp_path / "raw.npz", x_test=raw))
+    np.testing.assert_allclose(xt, raw.astype("float32"))  # used as it is
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", InputScalingWarning)  # standardised data: silent
+        load_npz(_npz(tmp_path / "ok.npz"))
+
+
 @pytest.mark.parametrize("override, words", [
     ({"y_test": None}, ["y_test"]),
     ({"x_train": None}, ["x_train"]),
@@ -143,3 +179,42 @@ def test_study_command_takes_backend_and_parses_without_keras():
     with pytest.raises(SystemExit) as info:
         cli.main(["study", "--help"])
     assert info.value.code == 0
+
+
+def test_main_job_measures_training_data_and_flags_a_dead_network():
+    import keras
+    import numpy as np
+
+    from keras_geosam import datasets
+
+    args = cli._parse(["--probe-size", "32", "--num-probes", "4"])
+    assert args.probe_data == "train" and args.damping == 0.1 and args.min_train_acc is None
+    (x, y), (xt, yt), classes = datasets.load("digits")
+    model = cli.build_mlp(x.shape[1], classes, seed=0, width=8)
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    for w in model.trainable_weights[:-1]:  # only the output bias lives: chance accuracy
+        w.assign(np.zeros(w.shape, w.dtype))
+    xp, yp = cli.probe_subset((x, y), (xt, yt), args.probe_size, args.probe_data)
+    assert np.array_equal(xp, x[:32])
+    row = cli.final_metrics(model, (x, y), (xt, yt), xp, yp, args, classes)
+    assert row["note"].startswith("collapsed: train acc") and "dead network" in row["note"]
+    assert row["train_acc"] < 0.2
+    assert "note" in cli.COLUMNS and "collapsed" in cli.format_table([dict(row, run="r")])
+
+
+def test_help_states_the_damping_and_probe_data(monkeypatch):
+    import argparse
+
+    seen = []
+    real = argparse.ArgumentParser.parse_args
+
+    def capture(self, argv=None, namespace=None):
+        seen.append(self.format_help())
+        return real(self, argv, namespace)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    cli._parse([])
+    words = " ".join(seen[0].split())
+    assert "(default: 0.1; the library's functions default to 1e-3)" in words
+    assert "--probe-data {train,test}" in words and "(default: train)" in words

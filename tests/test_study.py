@@ -163,6 +163,64 @@ def test_correlation_difference():
     assert d == stats.correlation_difference(x1, x2, y, n_resamples=300, seed=1)
 
 
+def test_absolute_correlation_difference_asks_which_measure_ranks_more_strongly():
+    # x2 orders y strongly but backwards; x1 weakly forwards. The signed
+    # difference favours x1, the |tau| difference favours x2.
+    y = [1, 3, 2, 4, 5, 7, 6, 8]
+    x1 = [2, 1, 4, 3, 6, 5, 8, 7]
+    x2 = [8, 7, 6, 5, 4, 3, 2, 1]
+    signed = stats.correlation_difference(x1, x2, y, n_resamples=300, seed=0)
+    absolute = stats.correlation_difference(x1, x2, y, n_resamples=300, seed=0, absolute=True)
+    t1, t2 = brute_tau_b(x1, y), brute_tau_b(x2, y)
+    assert signed["value"] == pytest.approx(t1 - t2) and signed["value"] > 0
+    assert absolute["value"] == pytest.approx(abs(t1) - abs(t2)) and absolute["value"] < 0
+    assert (absolute["corr1"], absolute["corr2"]) == (pytest.approx(t1), pytest.approx(t2))
+    # the interval is the paired bootstrap of |tau1| - |tau2| over the same resampled runs
+    a, b, c = (np.asarray(v, "float64") for v in (x1, x2, y))
+    ci = stats.bootstrap_interval(lambda p, q, r: abs(brute_tau_b(p, r)) - abs(brute_tau_b(q, r)), a, b, c,
+                                  n_resamples=300, seed=0)
+    assert (absolute["ci_low"], absolute["ci_high"]) == (pytest.approx(ci.low), pytest.approx(ci.high))
+    words = stats.describe_comparison("sr_kfac - trace_h", absolute, "gap_loss")
+    if absolute["ci_high"] < 0:
+        assert words.startswith("tr H ranks the runs by the gap more strongly") and "negative direction" in words
+
+
+def _table_with_collapsed_runs():
+    rng = np.random.default_rng(3)
+    rows = []
+    for i in range(10):
+        rows.append({"dataset": "d", "optimizer": "sgd" if i % 2 else "sam", "b_over_eta": 10.0 * (i + 1),
+                     "sr_kfac": float(i + 1 + rng.normal(0, 0.3)), "trace_h": float(5 - i + rng.normal()),
+                     "gap_loss": float(i + rng.normal(0, 1.5)), "test_acc": 0.9, "train_acc": 0.95, "valid": 1})
+    for i in range(4):  # collapsed: S_R at the count of live parameters, huge B/eta
+        rows.append({"dataset": "d", "optimizer": "sgd", "b_over_eta": 1e4, "sr_kfac": 9.0, "trace_h": 0.5,
+                     "gap_loss": 0.0, "test_acc": 0.1, "train_acc": 0.1, "valid": 0})
+    return rows
+
+
+def test_summarize_leaves_collapsed_runs_out_of_every_statistic():
+    rows = _table_with_collapsed_runs()
+    kw = dict(measures=["sr_kfac", "trace_h"], gaps=["gap_loss"], n_resamples=200)
+    with_collapsed = stats.summarize(rows, **kw)["d"]
+    valid_only = stats.summarize([r for r in rows if r["valid"]], **kw)["d"]
+    assert with_collapsed["n_invalid"] == 4 and valid_only["n_invalid"] == 0
+    assert with_collapsed["n_runs"] == valid_only["n_runs"] == 10
+    for key in ("correlations", "comparisons", "exponents", "optimizers"):
+        assert with_collapsed[key] == valid_only[key], key
+    # and the collapsed runs would have changed the answer
+    everything = stats.summarize([dict(r, valid=1) for r in rows], **kw)["d"]
+    assert everything["exponents"]["sr_kfac"] != valid_only["exponents"]["sr_kfac"]
+
+
+def test_exponent_table_has_one_row_per_optimizer_and_all_only_with_several():
+    rows = [r for r in _table_with_collapsed_runs() if r["valid"]]
+    kw = dict(measures=["sr_kfac"], gaps=["gap_loss"], n_resamples=50)
+    several = stats.summarize(rows, **kw)["d"]["exponents"]["sr_kfac"]
+    assert set(several) == {"sgd", "sam", "all"}
+    one = stats.summarize([r for r in rows if r["optimizer"] == "sgd"], **kw)["d"]["exponents"]["sr_kfac"]
+    assert set(one) == {"sgd"} and one["sgd"] == several["sgd"]
+
+
 B_ETA = np.array([80.0, 160, 320, 640, 1280, 2560, 80, 320, 1280, 5120])
 
 
@@ -339,3 +397,52 @@ def test_parser_and_help_without_keras():
     assert "--batch-sizes" in proc.stdout
     imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line]
     assert not any(name == "keras" or name.startswith("keras.") for name in imported)
+
+
+def test_sharpness_is_measured_on_training_examples_by_default():
+    """``probe_data="train"`` (the default) measures the first probe_size
+    training examples: the row equals kg.sharpness called by hand on them."""
+    import keras
+
+    from keras_geosam import sharpness as S
+    from keras_geosam.experiments.data import probe_subset
+
+    settings = grid.resolve_settings("smoke")
+    assert settings["probe_data"] == "train"
+    (x, y), (xt, yt), classes = grid.load_study_data("digits")
+    x, y = x[:256], y[:256]
+    model = grid.build_model(x.shape[1], classes, seed=0, width=16)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+    probe = probe_subset((x, y), (xt, yt), settings["probe_size"], settings["probe_data"])
+    assert np.array_equal(probe[0], x[: settings["probe_size"]])
+    row = grid.measure_run(model, (x, y), (xt, yt), probe, settings, 32, 0.1, seed=0, num_classes=classes)
+    by_hand = S.riemannian_sharpness(model, x[:48], y[:48], metric="kfac", damping=settings["damping"],
+                                     num_probes=settings["num_probes"], seed=0)
+    assert row["sr_kfac"] == pytest.approx(float(by_hand.value), rel=1e-6)
+    tr = S.hessian_trace(model, x[:48], y[:48], num_probes=settings["num_probes"], seed=0)
+    assert row["trace_h"] == pytest.approx(float(tr.value), rel=1e-6)
+    assert row["valid"] == 1 and row["invalid_reason"] == ""
+    # B >= the alignment subset is still measured (the subset grows to 4 batches)
+    big = grid.measure_run(model, (x, y), (xt, yt), probe, dict(settings, alignment_size=64), 128, 0.1, seed=0,
+                           num_classes=classes)
+    assert math.isfinite(big["align_cosine"]) and big["align_note"] == ""
+    full = grid.measure_run(model, (x, y), (xt, yt), probe, settings, 256, 0.1, seed=0, num_classes=classes)
+    assert math.isnan(full["align_cosine"]) and full["align_note"].startswith("full batch")
+
+
+def test_a_collapsed_run_is_flagged_invalid():
+    settings = grid.resolve_settings("smoke")
+    (x, y), (xt, yt), classes = grid.load_study_data("digits")
+    model = grid.build_model(x.shape[1], classes, seed=0, width=16)
+    import keras
+
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    for w in model.trainable_weights[:-1]:  # a dead network: only the output bias lives
+        w.assign(np.zeros(w.shape, w.dtype))
+    row = grid.measure_run(model, (x[:256], y[:256]), (xt, yt), (x[:48], y[:48]), settings, 32, 0.05, seed=0,
+                           num_classes=classes)
+    assert row["valid"] == 0 and row["invalid_reason"].startswith("collapsed: train acc")
+    assert row["diverged"] == 0

@@ -25,7 +25,13 @@ import argparse
 import os
 import sys
 
-from keras_geosam.cli import _positive_int as _pos_int
+from keras_geosam.experiments import DAMPING
+from keras_geosam.experiments.arguments import fraction as _fraction
+from keras_geosam.experiments.arguments import nonneg_float as _nonneg_float
+from keras_geosam.experiments.arguments import nonneg_int as _nonneg_int
+from keras_geosam.experiments.arguments import positive_int as _pos_int
+from keras_geosam.experiments.data import PROBE_SOURCES
+from keras_geosam.experiments.optimizers import names_help as _optimizer_names
 from keras_geosam.study import stats
 from keras_geosam.study.grid import FIELDS
 from keras_geosam.study.grid import MODE_ENV
@@ -53,16 +59,6 @@ def _list(cast):
         return values
 
     return parse
-
-
-def _nonneg_int(text):
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
-    return v
 
 
 def _preset_help(key):
@@ -108,18 +104,27 @@ def add_arguments(parser):
     g.add_argument("--datasets", type=_list(str), help="digits, mnist1d (offline); mnist, fashion_mnist, cifar10 "
                    "(Keras' cache). Preset: " + _preset_help("datasets"))
     g.add_argument("--data", metavar="PATH.npz", help="your own data: x_train, y_train, x_test, y_test")
-    g.add_argument("--optimizers", type=_list(str), help="names from keras_geosam.cli.OPTIMIZERS, e.g. sgd, sam, "
-                   "llqrsam, llqrsam-kfac. Preset: " + _preset_help("optimizers"))
+    g.add_argument("--optimizers", type=_list(str), help=_optimizer_names() + ". Preset: " + _preset_help("optimizers"))
     g.add_argument("--batch-sizes", type=_list(int), help="Preset: " + _preset_help("batch_sizes"))
     g.add_argument("--lrs", "--learning-rates", dest="learning_rates", type=_list(float),
-                   help="learning rates of the SGD (momentum 0.9) inside every optimizer. Preset: "
+                   help="learning rates of the base optimizer (SGD with momentum 0.9 unless METHOD@BASE). Preset: "
                    + _preset_help("learning_rates"))
     g.add_argument("--seeds", type=_list(int), help="Preset: " + _preset_help("seeds"))
     r = parser.add_argument_group("each run (unset: the preset's)")
-    r.add_argument("--epochs", type=_pos_int, help="Preset: " + _preset_help("epochs"))
+    r.add_argument("--steps", type=_nonneg_int, help="optimizer steps per run, the same for every batch size, so "
+                   "that B/eta is not confounded with under-training (0: train by --epochs). Preset: "
+                   + _preset_help("steps"))
+    r.add_argument("--epochs", type=_pos_int, help="epochs per run when --steps is 0. Preset: " + _preset_help("epochs"))
+    r.add_argument("--target-train-loss", type=float, help="stop a run at the end of the first epoch whose mean train "
+                   "loss is at most this (--steps or --epochs is the cap; a run that does not reach it is recorded "
+                   "as not converged)")
     r.add_argument("--train-size", type=_nonneg_int, help="training examples, 0 for all. Preset: " + _preset_help("train_size"))
-    r.add_argument("--probe-size", type=_pos_int, help="test examples the sharpness is measured on. Preset: "
-                   + _preset_help("probe_size"))
+    r.add_argument("--probe-data", choices=PROBE_SOURCES, help="where the examples sharpness is measured on come "
+                   "from (default: train, the Hessian of the training loss the papers' claims are about)")
+    r.add_argument("--probe-size", type=_pos_int, help="examples (the first of --probe-data) the sharpness is measured "
+                   "on. Preset: " + _preset_help("probe_size"))
+    r.add_argument("--min-train-acc", type=_fraction, help="final train accuracy below which a run counts as collapsed "
+                   "and is left out of the statistics (default: twice chance, 2 / classes)")
     r.add_argument("--num-probes", type=_pos_int, help="Hutchinson probes per round. Preset: " + _preset_help("num_probes"))
     r.add_argument("--width", type=_pos_int, help="MLP hidden units. Preset: " + _preset_help("width"))
     r.add_argument("--depth", type=_pos_int, help="MLP hidden layers (default 2)")
@@ -129,7 +134,8 @@ def add_arguments(parser):
                    "Preset: " + _preset_help("alignment_size"))
     r.add_argument("--alignment-batches", type=_pos_int, help="minibatches for the noise/Fisher alignment. Preset: "
                    + _preset_help("alignment_batches"))
-    r.add_argument("--damping", type=float, help="relative damping of the Fisher metric (default: keras_geosam.cli.DAMPING)")
+    r.add_argument("--damping", type=_nonneg_float, help=f"relative damping of the Fisher metric (default: {DAMPING}, "
+                   "the command line's; the library's functions default to 1e-3)")
     a = parser.add_argument_group("statistics")
     a.add_argument("--resamples", dest="n_resamples", type=_pos_int, help="bootstrap resamples. Preset: "
                    + _preset_help("n_resamples"))
@@ -170,7 +176,7 @@ def build_parser(parser=None):
 
 _OVERRIDES = ("datasets", "data", "optimizers", "batch_sizes", "learning_rates", "seeds", "epochs", "train_size",
               "probe_size", "num_probes", "width", "depth", "activation", "max_iter", "alignment_size", "alignment_batches",
-              "damping", "n_resamples", "confidence")
+              "damping", "n_resamples", "confidence", "probe_data", "min_train_acc", "steps", "target_train_loss")
 
 
 def run_from_args(args):

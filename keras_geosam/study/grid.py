@@ -24,7 +24,15 @@ import warnings
 
 import numpy as np
 
-from keras_geosam.cli import _from_csv
+from keras_geosam.experiments import DAMPING
+from keras_geosam.experiments.arguments import from_csv as _from_csv
+from keras_geosam.experiments.budget import budget_text
+from keras_geosam.experiments.budget import fit_within_budget
+from keras_geosam.experiments.data import PROBE_SOURCES
+from keras_geosam.experiments.data import probe_subset
+from keras_geosam.experiments.models import build_mlp
+from keras_geosam.experiments.optimizers import OPTIMIZERS
+from keras_geosam.experiments.validity import check_run
 
 # Sizes of the study. ``smoke`` takes seconds (tests); ``small`` is the
 # guide's default (about a minute or two on 2 CPU cores); ``full`` is meant
@@ -33,18 +41,18 @@ from keras_geosam.cli import _from_csv
 PRESETS = {
     "smoke": dict(
         datasets=("digits",), optimizers=("sgd", "sam"), batch_sizes=(32, 128), learning_rates=(0.05,),
-        seeds=(0,), epochs=1, train_size=256, probe_size=48, num_probes=4, width=16, max_iter=8,
+        seeds=(0,), epochs=1, steps=24, train_size=256, probe_size=48, num_probes=4, width=16, max_iter=8,
         alignment_size=256, alignment_batches=4, n_resamples=200,
     ),
     "small": dict(
         datasets=("digits",), optimizers=("sgd", "sam", "llqrsam"), batch_sizes=(16, 128),
-        learning_rates=(0.02, 0.1), seeds=(0,), epochs=8, train_size=0, probe_size=128, num_probes=10,
+        learning_rates=(0.02, 0.1), seeds=(0,), epochs=8, steps=600, train_size=0, probe_size=128, num_probes=10,
         width=32, max_iter=20, alignment_size=256, alignment_batches=8, n_resamples=1000,
     ),
     "full": dict(
         datasets=("digits", "mnist1d", "fashion_mnist", "cifar10"),
         optimizers=("sgd", "sam", "llqrsam", "llqrsam-kfac"), batch_sizes=(16, 64, 256),
-        learning_rates=(0.01, 0.03, 0.1), seeds=(0, 1, 2), epochs=10, train_size=10000, probe_size=512,
+        learning_rates=(0.01, 0.03, 0.1), seeds=(0, 1, 2), epochs=10, steps=3000, train_size=10000, probe_size=512,
         num_probes=20, width=128, max_iter=100, alignment_size=2048, alignment_batches=64, n_resamples=2000,
     ),
 }
@@ -56,17 +64,18 @@ MODE_ENV = "KERAS_GEOSAM_GUIDE_MODE"
 GRID_KEYS = ("datasets", "optimizers", "batch_sizes", "learning_rates", "seeds")
 # Per-run settings: a row is reused only when these match (its fingerprint).
 RUN_SETTINGS = (
-    "epochs", "train_size", "probe_size", "num_probes", "width", "depth", "activation", "max_iter",
-    "alignment_size", "alignment_batches", "data_seed", "damping",
+    "epochs", "steps", "target_train_loss", "train_size", "probe_size", "num_probes", "width", "depth", "activation", "max_iter",
+    "alignment_size", "alignment_batches", "data_seed", "damping", "probe_data", "min_train_acc",
 )
 KEY_FIELDS = ("dataset", "optimizer", "batch_size", "lr", "seed")
 FIELDS = (
-    *KEY_FIELDS, "b_over_eta", "backend", "fingerprint", "diverged",
+    *KEY_FIELDS, "b_over_eta", "backend", "fingerprint", "probe_data", "diverged", "valid", "invalid_reason",
+    "steps", "epochs_run", "converged",
     "train_loss", "train_acc", "test_loss", "test_acc", "gap_loss", "gap_acc",
     "sr_kfac", "sr_kfac_stderr", "sr_diag", "sr_diag_stderr", "trace_h", "trace_h_stderr",
     "lambda_max", "lambda_max_stderr", "lambda_max_r", "lambda_max_r_stderr",
     "align_cosine", "align_rank_correlation", "align_log_cosine", "align_alpha", "align_alpha_b",
-    "align_finite_population", "params", "nonzero_fisher",
+    "align_finite_population", "align_note", "params", "nonzero_fisher",
     "seconds", "measure_seconds", "complete",
 )
 # Wall times differ between two executions of the same run; nothing else may.
@@ -162,7 +171,7 @@ def resolve_settings(preset=None, **overrides):
     if preset not in PRESETS:
         raise ValueError(f"Unknown study preset {preset!r}; choose from {PRESET_NAMES} (or set {MODE_ENV}).")
     s = dict(PRESETS[preset], preset=preset, depth=2, activation="relu", data_seed=0, damping=None,
-             confidence=0.95, data=None)
+             confidence=0.95, data=None, probe_data="train", min_train_acc=None, target_train_loss=None)
     unknown = set(overrides) - set(s)
     if unknown:
         raise ValueError(f"Unknown study setting(s) {sorted(unknown)}; known: {sorted(s)}.")
@@ -175,14 +184,18 @@ def resolve_settings(preset=None, **overrides):
     # Datasets the user names must load; those a preset adds may be skipped.
     s["explicit_datasets"] = explicit_datasets
     if s["damping"] is None:
-        from keras_geosam.cli import DAMPING
-
         s["damping"] = DAMPING
-    from keras_geosam.cli import OPTIMIZERS
-
     bad = [o for o in s["optimizers"] if o not in OPTIMIZERS]
     if bad:
-        raise ValueError(f"Unknown optimizer(s) {bad}; choose from {sorted(OPTIMIZERS)}.")
+        from keras_geosam.experiments.optimizers import names_help
+
+        raise ValueError(f"Unknown optimizer(s) {bad}; {names_help()}.")
+    if s["probe_data"] not in PROBE_SOURCES:
+        raise ValueError(f"probe_data must be one of {PROBE_SOURCES}, got {s['probe_data']!r}.")
+    if s["min_train_acc"] is not None:
+        s["min_train_acc"] = float(s["min_train_acc"])
+        if not 0 <= s["min_train_acc"] <= 1:
+            raise ValueError(f"min_train_acc must be in [0, 1] (None: twice chance), got {s['min_train_acc']}.")
     if not 0 < float(s["confidence"]) < 1:
         raise ValueError(f"confidence must be in (0, 1), got {s['confidence']!r}.")
     for k in ("batch_sizes", "seeds"):
@@ -196,7 +209,13 @@ def resolve_settings(preset=None, **overrides):
         s[k] = int(s[k])
         if s[k] < 1:
             raise ValueError(f"{k} must be >= 1, got {s[k]}.")
-    s["train_size"], s["data_seed"] = int(s["train_size"]), int(s["data_seed"])
+    s["train_size"], s["data_seed"], s["steps"] = int(s["train_size"]), int(s["data_seed"]), int(s["steps"])
+    if s["steps"] < 0:
+        raise ValueError(f"steps must be >= 0 (0: train by epochs), got {s['steps']}.")
+    if s["target_train_loss"] is not None:
+        s["target_train_loss"] = float(s["target_train_loss"])
+        if not s["target_train_loss"] > 0:
+            raise ValueError(f"target_train_loss must be > 0, got {s['target_train_loss']}.")
     if s["train_size"] < 0:
         raise ValueError(f"train_size must be >= 0 (0: all), got {s['train_size']}.")
     s["damping"], s["confidence"] = float(s["damping"]), float(s["confidence"])
@@ -276,40 +295,8 @@ def load_study_data(name, data_seed=0, path=None):
     return (flat(x_tr), np.asarray(y_tr, "int32")), (flat(x_te), np.asarray(y_te, "int32")), int(classes)
 
 
-def build_model(input_dim, num_classes, seed, width, depth=2, activation="relu"):
-    """The study's classifier: an MLP (``kg.Sequential``) emitting logits.
-
-    Args:
-        input_dim: features per example.
-        num_classes: output units.
-        seed: reseeds Python, NumPy and the backend first
-            (``keras.utils.set_random_seed``), fixing the weights and the
-            order ``fit`` shuffles the data in.
-        width: units per hidden layer.
-        depth: hidden layers.
-        activation: hidden activation (ReLU makes the diagonal and K-FAC S_R
-            exact: no probe noise).
-
-    Returns:
-        An uncompiled ``keras_geosam.Sequential``.
-
-    Raises:
-        ValueError: from Keras for an unknown activation.
-
-    Example:
-
-    >>> build_model(64, 10, seed=0, width=8).count_params()
-    682
-    """
-    import keras
-
-    from keras_geosam.training import Sequential
-
-    keras.utils.set_random_seed(int(seed))
-    layers = [keras.Input((int(input_dim),))]
-    layers += [keras.layers.Dense(int(width), activation=activation) for _ in range(int(depth))]
-    layers.append(keras.layers.Dense(int(num_classes)))
-    return Sequential(layers)
+# The study's classifier is the command line's MLP (one builder for both).
+build_model = build_mlp
 
 
 # One model per architecture, reused by every run with fresh initial weights
@@ -341,18 +328,26 @@ def _est(row, name, est):
     row[name + "_stderr"] = float(est.stderr)
 
 
-def measure_run(model, train, test, probe, settings, batch_size, lr, seed):
+def measure_run(model, train, test, probe, settings, batch_size, lr, seed, num_classes=None):
     """Every per-run quantity at the model's current weights.
 
     Losses and accuracies on the whole train and test sets give the gaps
     (``gap_loss = test loss - train loss``, ``gap_acc = train accuracy -
-    test accuracy``). The sharpness measures use the fixed probe subset of
-    the test set with the package's defaults of the main job: S_R with the
+    test accuracy``). ``valid`` is 0 with an ``invalid_reason`` for a run
+    that diverged or collapsed (train accuracy below
+    ``settings["min_train_acc"]``, default twice chance; see
+    ``keras_geosam.experiments.validity``): statistics leave it out. The
+    sharpness measures use the fixed probe subset (the first
+    ``probe_size`` examples of the training set, or of the test set with
+    ``probe_data="test"``) with the package's defaults of the main job: S_R with the
     K-FAC and the diagonal exact-Fisher metric at relative damping
     ``settings["damping"]``, tr H (exact GGN part plus probed residual),
     lambda_max and the K-FAC Riemannian lambda_max (Lanczos, ``stderr`` the
     Ritz residual). ``gradient_noise_alignment`` compares minibatch noise at
-    the run's batch size with the Fisher on a training subset.
+    the run's batch size with the Fisher on a training subset of
+    ``alignment_size`` examples, enlarged to four batches for large batch
+    sizes; only a batch as large as the training set leaves it empty, with
+    ``align_note`` saying why.
 
     Args:
         model: a compiled, trained classifier.
@@ -360,6 +355,8 @@ def measure_run(model, train, test, probe, settings, batch_size, lr, seed):
             subset's source.
         settings: from :func:`resolve_settings`.
         batch_size, lr, seed: the run's.
+        num_classes: for the default validity threshold (default: one more
+            than the largest training label).
 
     Returns:
         A dict of the measure columns of :data:`FIELDS`.
@@ -383,12 +380,19 @@ def measure_run(model, train, test, probe, settings, batch_size, lr, seed):
     nan_names = ("sr_kfac", "sr_diag", "trace_h", "lambda_max", "lambda_max_r")
     weights_ok = all(np.all(np.isfinite(np.asarray(v))) for v in model.get_weights())
     row["diverged"] = int(not (weights_ok and math.isfinite(train_loss)))
+    classes = int(num_classes) if num_classes is not None else int(np.max(y_tr)) + 1
+    valid, row["invalid_reason"] = check_run(train_loss, train_acc, classes, weights_finite=weights_ok,
+                                             min_train_acc=settings.get("min_train_acc"))
+    row["valid"] = int(valid)
+    row["align_note"] = ""
     if row["diverged"]:
         for n in nan_names:
             row[n] = row[n + "_stderr"] = math.nan
         for n in ("align_cosine", "align_rank_correlation", "align_log_cosine", "align_alpha", "align_alpha_b",
                   "align_finite_population", "nonzero_fisher"):
             row[n] = math.nan
+        row["align_note"] = "diverged: not measured"
+        row["params"] = int(model.count_params())
         return row
     damping = settings["damping"]
     kw = dict(num_probes=settings["num_probes"], seed=seed)
@@ -405,7 +409,9 @@ def measure_run(model, train, test, probe, settings, batch_size, lr, seed):
         _est(row, "lambda_max", S.hessian_max_eigenvalue(model, xp, yp, max_iter=settings["max_iter"], seed=seed))
         _est(row, "lambda_max_r", S.riemannian_max_eigenvalue(
             model, xp, yp, metric="kfac", damping=damping, max_iter=settings["max_iter"], seed=seed))
-        n_al = min(int(settings["alignment_size"]), len(x_tr))
+        # Minibatch noise needs batches smaller than the subset they are
+        # drawn from: at least four batches' worth, when the data has it.
+        n_al = min(max(int(settings["alignment_size"]), 4 * int(batch_size)), len(x_tr))
         if batch_size < n_al:
             al = S.gradient_noise_alignment(
                 model, x_tr[:n_al], y_tr[:n_al], batch_size=batch_size,
@@ -414,7 +420,8 @@ def measure_run(model, train, test, probe, settings, batch_size, lr, seed):
             row.update(align_cosine=al.cosine, align_rank_correlation=al.rank_correlation,
                        align_log_cosine=al.log_cosine, align_alpha=al.alpha, align_alpha_b=al.alpha * batch_size,
                        align_finite_population=al.finite_population)
-        else:  # no minibatch noise to measure: the batch is the whole subset
+        else:  # no minibatch noise to measure: the batch is the whole training set
+            row["align_note"] = f"full batch (B={batch_size} >= {len(x_tr)} training examples): no minibatch noise"
             row.update(align_cosine=math.nan, align_rank_correlation=math.nan, align_log_cosine=math.nan,
                        align_alpha=math.nan, align_alpha_b=math.nan, align_finite_population=math.nan)
     row["params"] = int(diag.info["num_params"])
@@ -679,7 +686,7 @@ def run_study(output="geosam_output/study", preset=None, *, fresh=False, plot=Tr
         (x_tr, y_tr), (x_te, y_te), classes = data[name]
         if s["train_size"]:
             x_tr, y_tr = x_tr[: s["train_size"]], y_tr[: s["train_size"]]
-        probe = (x_te[: s["probe_size"]], y_te[: s["probe_size"]])
+        probe = probe_subset((x_tr, y_tr), (x_te, y_te), s["probe_size"], s["probe_data"])
         prepared[name] = ((x_tr, y_tr), (x_te, y_te), probe, classes)
 
     fingerprints, run_settings = {}, {}
@@ -693,7 +700,7 @@ def run_study(output="geosam_output/study", preset=None, *, fresh=False, plot=Tr
     say(f"study ({s['preset']}): backend={backend}, {len(runs)} runs "
         f"({len(names)} dataset(s) x {len(s['seeds'])} seed(s) x {len(s['optimizers'])} optimizer(s) x "
         f"{len(s['batch_sizes'])} batch size(s) x {len(s['learning_rates'])} learning rate(s)), "
-        f"{s['epochs']} epoch(s) each; rows -> {csv_path}")
+        f"{budget_text(s)} each; rows -> {csv_path}")
     num_run = num_skipped = 0
     for i, run in enumerate(runs):
         label = (f"[{i + 1}/{len(runs)}] {run['dataset']} {run['optimizer']} B={run['batch_size']} "
@@ -706,19 +713,21 @@ def run_study(output="geosam_output/study", preset=None, *, fresh=False, plot=Tr
         model, loss = _initialised_model(train[0].shape[1], classes, run["seed"], s)
         model.compile(optimizer=OPTIMIZERS[run["optimizer"]](run["lr"]), loss=loss, metrics=["accuracy"])
         t0 = time.perf_counter()
-        model.fit(train[0], train[1], batch_size=run["batch_size"], epochs=s["epochs"], verbose=0)
+        _, budget = fit_within_budget(model, train[0], train[1], run["batch_size"], steps=s["steps"],
+                                      epochs=s["epochs"], target_train_loss=s["target_train_loss"])
         seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         row = dict(run, b_over_eta=run["batch_size"] / run["lr"], backend=backend,
-                   fingerprint=fingerprints[run["dataset"]])
-        row.update(measure_run(model, train, test, probe, s, run["batch_size"], run["lr"], run["seed"]))
+                   fingerprint=fingerprints[run["dataset"]], probe_data=s["probe_data"],
+                   steps=budget["steps"], epochs_run=budget["epochs"], converged=budget["converged"])
+        row.update(measure_run(model, train, test, probe, s, run["batch_size"], run["lr"], run["seed"], classes))
         row.update(seconds=seconds, measure_seconds=time.perf_counter() - t1, complete=1)
         append_row(csv_path, row)
         num_run += 1
         say(f"{label}: test acc {row['test_acc']:.4f}, gap {row['gap_loss']:.4f}, "
             f"S_R K-FAC {row['sr_kfac']:.4g}, tr H {row['trace_h']:.4g} "
             f"({seconds:.1f}s train, {row['measure_seconds']:.1f}s measures)"
-            + (" DIVERGED" if row["diverged"] else ""))
+            + ("" if row["valid"] else f" INVALID ({row['invalid_reason']})"))
         if on_run is not None:
             on_run(row, i, len(runs))
 
@@ -726,16 +735,21 @@ def run_study(output="geosam_output/study", preset=None, *, fresh=False, plot=Tr
     # resumed and fresh runs are treated alike.
     by_key = {run_key(r): r for r in read_rows(csv_path) if fingerprints.get(r["dataset"]) == r["fingerprint"]}
     rows = [by_key[run_key(r)] for r in runs if run_key(r) in by_key]
-    usable = [r for r in rows if not r["diverged"]]
+    # Statistics see trained runs only (summarize drops the others): a
+    # collapsed or diverged network's sharpness describes no minimum. They
+    # stay in the CSV and the figure.
+    usable = [r for r in rows if int(r["valid"])]
     summary = stats.summarize(
-        usable, measures=list(stats.MEASURES), gaps=list(stats.GAPS), n_resamples=s["n_resamples"],
+        rows, measures=list(stats.MEASURES), gaps=list(stats.GAPS), n_resamples=s["n_resamples"],
         confidence=s["confidence"], seed=0,
         extra_columns=("align_cosine", "align_rank_correlation", "align_log_cosine", "align_alpha_b"),
     )
     settings_out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in s.items()}
     result_summary = {
         "settings": settings_out, "backend": backend, "num_runs": len(rows),
-        "num_diverged": sum(int(r["diverged"]) for r in rows), "skipped_datasets": skipped,
+        "num_diverged": sum(int(r["diverged"]) for r in rows), "num_invalid": len(rows) - len(usable),
+        "invalid_runs": [dict(_short_key(r), reason=r["invalid_reason"]) for r in rows if not int(r["valid"])],
+        "skipped_datasets": skipped,
         "gap_definitions": dict(stats.GAPS), "measures": dict(stats.MEASURES), "datasets": summary,
     }
     summary_path = os.path.join(output, SUMMARY_NAME)
@@ -751,6 +765,10 @@ def run_study(output="geosam_output/study", preset=None, *, fresh=False, plot=Tr
         print(report.format_report(rows, result_summary))
         print(f"\nrows: {csv_path}\nsummary: {summary_path}" + (f"\nfigure: {figure_path}" if figure_path else ""))
     return StudyResult(rows, plain, csv_path, summary_path, figure_path, num_run, num_skipped, skipped)
+
+
+def _short_key(row):
+    return {k: row[k] for k in KEY_FIELDS}
 
 
 def _plain(v):

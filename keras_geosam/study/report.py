@@ -9,10 +9,14 @@ import math
 
 import numpy as np
 
+from keras_geosam.experiments.budget import budget_text
 from keras_geosam.study.stats import EXPONENT_MEASURES
 from keras_geosam.study.stats import GAPS
 from keras_geosam.study.stats import MEASURES
+from keras_geosam.study.stats import describe_comparison
 
+# Runs that did not train (kept in the figure, left out of its statistics).
+INVALID_COLOR = "lightgray"
 # Measures with a stderr column, in table and figure order.
 ESTIMATES = ("sr_kfac", "sr_diag", "trace_h", "lambda_max", "lambda_max_r")
 
@@ -57,13 +61,18 @@ def format_runs(rows):
 
     >>> # print(format_runs(result.rows))
     """
-    header = ["run", "train acc", "test acc", "gap loss", "gap acc"] + [MEASURES[m] for m in ESTIMATES] + ["noise cos", "alpha*B"]
+    header = (["run", "train acc", "test acc", "gap loss", "gap acc"] + [MEASURES[m] for m in ESTIMATES]
+              + ["noise cos", "alpha*B", "valid"])
     body = []
     for r in rows:
         label = f"{r['dataset']} {r['optimizer']} B={r['batch_size']} lr={float(r['lr']):g} s={r['seed']}"
         cells = [label, _num(r["train_acc"]), _num(r["test_acc"]), _num(r["gap_loss"]), _num(r["gap_acc"])]
         cells += [_pm(r[m], r[m + "_stderr"]) for m in ESTIMATES]
-        cells += [_num(r["align_cosine"], 3), _num(r["align_alpha_b"], 3)]
+        if r.get("align_note"):  # an empty alignment cell says why
+            cells += ["n/a: " + str(r["align_note"]).split(":")[0], ""]
+        else:
+            cells += [_num(r["align_cosine"], 3), _num(r["align_alpha_b"], 3)]
+        cells.append("yes" if int(r["valid"]) else "NO: " + str(r["invalid_reason"]).split(",")[0])
         body.append(cells)
     return _table(header, body)
 
@@ -87,15 +96,27 @@ def format_report(rows, summary):
 
     >>> # print(format_report(result.rows, result.summary))
     """
-    conf = summary["settings"]["confidence"]
+    settings = summary["settings"]
+    conf = settings["confidence"]
     pct = f"{100 * conf:g}%"
+    source = {"train": "training", "test": "test"}[settings.get("probe_data", "test")]
+    need = settings.get("min_train_acc")
     out = [format_runs(rows), "",
            "value ± stderr (± 0: exact, no probe noise; for lambda_max the Lanczos residual). "
-           f"S_R with relative damping {summary['settings']['damping']:g}; sharpness on "
-           f"{summary['settings']['probe_size']} test examples; noise cos / alpha*B: gradient_noise_alignment "
-           "(cosine of diag Cov[g_B] with diag F; alpha*B ~ 1 when the noise scale is 1/B)."]
+           f"S_R and lambda_max R with relative damping {settings['damping']:g}; sharpness on the first "
+           f"{settings['probe_size']} {source} examples; noise cos / alpha*B: gradient_noise_alignment "
+           "(cosine of diag Cov[g_B] with diag F; alpha*B ~ 1 when the noise scale is 1/B). "
+           f"valid: the run trained (finite loss, train accuracy >= "
+           f"{'twice chance' if need is None else need}); invalid runs are left out of every statistic. "
+           f"Training: {budget_text(settings)}."]
     for dataset, d in summary["datasets"].items():
-        out += ["", f"== {dataset}: {d['n_runs']} runs (diverged runs left out) =="]
+        bad = [r for r in rows if r["dataset"] == dataset and not int(r["valid"])]
+        why = {}
+        for r in bad:
+            kind = str(r["invalid_reason"]).split(":")[0]
+            why[kind] = why.get(kind, 0) + 1
+        left_out = ", ".join(f"{n} {k}" for k, n in why.items()) or "none"
+        out += ["", f"== {dataset}: {d['n_runs']} valid runs (left out: {left_out}) =="]
         for gap, gap_name in GAPS.items():
             body = []
             for m, c in d["correlations"][gap].items():
@@ -103,16 +124,18 @@ def format_report(rows, summary):
                 body.append([MEASURES.get(m, m), _ci(k), _num(k["pvalue"], 3), _ci(s), _num(s["pvalue"], 3), str(k["n"])])
             out += ["", f"rank correlation with the gap ({gap_name}); [{pct} paired percentile bootstrap over runs]",
                     _table(["measure", "Kendall tau", "p", "Spearman rho", "p", "n"], body)]
-        body = []
+        body, words = [], []
         for gap, gap_name in GAPS.items():
             for pair, c in d.get("comparisons", {}).get(gap, {}).items():
                 a, b = pair.split(" - ")
-                body.append([gap, f"{MEASURES.get(a, a)} - {MEASURES.get(b, b)}", _ci(c), str(c["n"])])
+                body.append([gap, f"{MEASURES.get(a, a)} vs {MEASURES.get(b, b)}", _num(c.get("corr1"), 3),
+                             _num(c.get("corr2"), 3), _ci(c), str(c["n"])])
+                words.append(f"  {gap}: {describe_comparison(pair, c, gap)}")
         if body:
-            out += ["", f"Riemannian vs Euclidean: Kendall tau(Riemannian, gap) - tau(Euclidean, gap) "
-                        f"[{pct} paired bootstrap]; > 0: the Riemannian measure is the more positively associated; "
-                        f"an interval containing 0: no evidence either way",
-                    _table(["gap", "difference of", "tau difference", "n"], body)]
+            out += ["", f"Riemannian vs Euclidean: which ranks the runs by the gap more strongly, in either "
+                        f"direction: |tau(Riemannian, gap)| - |tau(Euclidean, gap)| [{pct} paired bootstrap]; "
+                        f"> 0 favours the Riemannian measure; an interval containing 0: no evidence either way",
+                    _table(["gap", "measures", "tau R", "tau E", "|tau| difference", "n"], body), *words]
         body = []
         for m, fits in d["exponents"].items():
             for group, f in fits.items():
@@ -179,8 +202,10 @@ def plot(rows, summary, path, gap="gap_loss"):
         stats = summary[dataset]
         for ax, m in zip(axes, ESTIMATES):
             for r in sub:
+                ok = int(r["valid"])  # collapsed runs: grey, left out of the statistics
                 ax.errorbar(f(r, m), f(r, gap), xerr=2 * f(r, m + "_stderr"), fmt=markers.get(int(r["batch_size"]), "o"),
-                            color=colors[r["optimizer"]], ms=5, capsize=2, alpha=0.85)
+                            color=colors[r["optimizer"]] if ok else INVALID_COLOR, ms=5, capsize=2,
+                            alpha=0.85 if ok else 0.6, zorder=2 if ok else 1)
             vals = np.array([f(r, m) for r in sub])
             vals = vals[np.isfinite(vals) & (vals > 0)]
             if vals.size and vals.max() / vals.min() > 20:
@@ -193,14 +218,19 @@ def plot(rows, summary, path, gap="gap_loss"):
         ax = axes[len(ESTIMATES)]
         # Colours apart from the optimizers': here colour is the metric.
         for m, style, color in zip(EXPONENT_MEASURES, ("*", "x"), ("black", "darkviolet")):
-            x = np.array([f(r, "b_over_eta") for r in sub])
-            y = np.array([f(r, m) for r in sub])
-            se = np.array([f(r, m + "_stderr") for r in sub])
+            grey = [r for r in sub if not int(r["valid"])]
+            if grey:
+                ax.plot([f(r, "b_over_eta") for r in grey], [f(r, m) for r in grey], style, color=INVALID_COLOR, ms=6)
+            good = [r for r in sub if int(r["valid"])]
+            x = np.array([f(r, "b_over_eta") for r in good])
+            y = np.array([f(r, m) for r in good])
+            se = np.array([f(r, m + "_stderr") for r in good])
             # a log axis cannot show a bar that reaches zero: clip it
             lower = np.minimum(2 * se, 0.999 * y)
             ax.errorbar(x, y, yerr=[lower, 2 * se], fmt=style, color=color, ms=6, capsize=2, alpha=0.8,
                         label=MEASURES[m])
-            fit = stats["exponents"].get(m, {}).get("all")
+            fits = stats["exponents"].get(m, {})
+            fit = fits.get("all") or next(iter(fits.values()), None)
             if fit and fit["exponent"] is not None and np.isfinite(fit["exponent"]) and np.isfinite(x).any():
                 xs = np.geomspace(np.nanmin(x), np.nanmax(x), 20)
                 ax.plot(xs, fit["prefactor"] * xs ** fit["exponent"], "--", color=color,
@@ -217,6 +247,8 @@ def plot(rows, summary, path, gap="gap_loss"):
         ax.tick_params(labelsize=7)
     handles = [plt.Line2D([], [], color=colors[o], marker="o", ls="", label=o) for o in optimizers]
     handles += [plt.Line2D([], [], color="gray", marker=markers[b], ls="", label=f"B={b}") for b in batches]
+    if any(not int(r["valid"]) for r in rows):
+        handles.append(plt.Line2D([], [], color=INVALID_COLOR, marker="o", ls="", label="collapsed (left out)"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7, frameon=False)
     fig.suptitle("Does sharpness predict generalisation? Bars: 2 stderr (none: exact); "
                  "Kendall tau with the gap, [bootstrap interval]", fontsize=10)
@@ -229,5 +261,6 @@ def plot(rows, summary, path, gap="gap_loss"):
 def stats_conf(stats):
     """The confidence level recorded in a dataset's statistics."""
     for fits in stats.get("exponents", {}).values():
-        return fits["all"]["confidence"]
+        for fit in fits.values():
+            return fit["confidence"]
     return 0.95

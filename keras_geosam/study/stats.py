@@ -254,12 +254,15 @@ def correlation(x, y, method="kendall", n_resamples=2000, confidence=0.95, seed=
     return Correlation(method, value, pvalue, ci.low, ci.high, confidence, int(xf.size), dropped, ci.num_degenerate)
 
 
-def correlation_difference(x1, x2, y, method="kendall", n_resamples=2000, confidence=0.95, seed=0):
+def correlation_difference(x1, x2, y, method="kendall", n_resamples=2000, confidence=0.95, seed=0, absolute=False):
     """Does measure `x1` order `y` better than measure `x2`?
 
     The difference ``corr(x1, y) - corr(x2, y)`` with a paired percentile
     bootstrap interval: each resample draws runs, and both correlations are
-    computed on the same runs, so their dependence is kept.
+    computed on the same runs, so their dependence is kept. With
+    ``absolute=True`` it is ``|corr(x1, y)| - |corr(x2, y)|``: which measure
+    ranks the runs more strongly, in either direction. The signed
+    difference can favour `x1` only because `x2` correlates negatively.
 
     Args:
         x1: 1-D array-like, the first measure per run.
@@ -267,10 +270,13 @@ def correlation_difference(x1, x2, y, method="kendall", n_resamples=2000, confid
         y: 1-D array-like, e.g. the gap per run.
         method: ``"kendall"`` or ``"spearman"``.
         n_resamples, confidence, seed: for the interval.
+        absolute: compare the correlations' magnitudes.
 
     Returns:
         A dict with ``value``, ``ci_low``, ``ci_high``, ``confidence``,
-        ``n`` (runs with all three finite) and ``num_degenerate``.
+        ``n`` (runs with all three finite), ``num_degenerate``,
+        ``absolute``, and ``corr1`` and ``corr2`` (the two signed
+        correlations on those runs).
 
     Raises:
         ValueError: for an unknown `method` or mismatched lengths.
@@ -280,6 +286,8 @@ def correlation_difference(x1, x2, y, method="kendall", n_resamples=2000, confid
     >>> d = correlation_difference([1, 2, 3, 4], [4, 3, 2, 1], [1, 2, 3, 4], n_resamples=100)
     >>> d["value"]
     2.0
+    >>> correlation_difference([1, 2, 3, 4], [4, 3, 2, 1], [1, 2, 3, 4], n_resamples=100, absolute=True)["value"]
+    0.0
     """
     if method not in CORRELATION_METHODS:
         raise ValueError(f"method must be one of {CORRELATION_METHODS}, got {method!r}.")
@@ -289,11 +297,14 @@ def correlation_difference(x1, x2, y, method="kendall", n_resamples=2000, confid
         raise ValueError(f"x1, x2 and y must have the same length, got {a.size}, {b.size}, {c.size}.")
     keep = np.isfinite(a) & np.isfinite(b) & np.isfinite(c)
     a, b, c = a[keep], b[keep], c[keep]
-    stat = lambda p, q, r: fn(p, r)[0] - fn(q, r)[0]
+    size = abs if absolute else (lambda v: v)
+    stat = lambda p, q, r: size(fn(p, r)[0]) - size(fn(q, r)[0])
     value = stat(a, b, c) if a.size >= 2 else math.nan
     ci = bootstrap_interval(stat, a, b, c, n_resamples=n_resamples, confidence=confidence, seed=seed)
+    corr1, corr2 = (float(fn(v, c)[0]) if a.size >= 2 else math.nan for v in (a, b))
     return {"value": float(value), "ci_low": ci.low, "ci_high": ci.high, "confidence": confidence,
-            "n": int(a.size), "num_degenerate": ci.num_degenerate}
+            "n": int(a.size), "num_degenerate": ci.num_degenerate, "absolute": bool(absolute),
+            "corr1": corr1, "corr2": corr2}
 
 
 @dataclasses.dataclass
@@ -433,9 +444,45 @@ GAPS = {
     "gap_acc": "train acc - test acc",
 }
 EXPONENT_MEASURES = ("sr_kfac", "sr_diag")
-# Riemannian minus Euclidean: the claim is that the first orders the gap
-# better. Each pair is (Riemannian, Euclidean).
+# Riemannian against Euclidean: the claim is that the first orders the gap
+# better. Each pair is (Riemannian, Euclidean); compared by |tau|, since a
+# signed difference rewards a Euclidean measure for correlating negatively.
 COMPARISONS = (("sr_kfac", "trace_h"), ("sr_diag", "trace_h"), ("lambda_max_r", "lambda_max"))
+
+
+def describe_comparison(pair, c, gap):
+    """A sentence saying which measure of a ``"a - b"`` comparison
+    (:func:`correlation_difference` with ``absolute=True``) tracks the gap
+    more strongly, and in which direction.
+
+    Example:
+
+    >>> c = {"value": -0.4, "ci_low": -0.6, "ci_high": -0.1, "corr1": 0.1, "corr2": -0.5}
+    >>> describe_comparison("sr_kfac - trace_h", c, "gap_loss")
+    'tr H ranks the runs by the gap more strongly than S_R K-FAC (|tau| 0.50 vs 0.10), in the negative direction (higher tr H, smaller gap).'
+    """
+    a, b = pair.split(" - ")
+    names = {a: MEASURES.get(a, a), b: MEASURES.get(b, b)}
+    if c.get("ci_low") is None or not math.isfinite(c["ci_low"]) or not math.isfinite(c["ci_high"]):
+        return f"{names[a]} vs {names[b]}: too few runs for an interval."
+    if c["ci_low"] <= 0 <= c["ci_high"]:
+        return (f"neither {names[a]} (tau {_g(c['corr1'], 2)}) nor {names[b]} (tau {_g(c['corr2'], 2)}) ranks the "
+                f"runs by the gap more strongly (the |tau| difference's interval contains 0).")
+    strong, weak = (a, b) if c["ci_low"] > 0 else (b, a)
+    tau = {a: c["corr1"], b: c["corr2"]}
+    sign = "positive" if tau[strong] > 0 else "negative"
+    more = "larger" if tau[strong] > 0 else "smaller"
+    return (f"{names[strong]} ranks the runs by the gap more strongly than {names[weak]} (|tau| "
+            f"{_g(abs(tau[strong]), 2)} vs {_g(abs(tau[weak]), 2)}), in the {sign} direction (higher "
+            f"{names[strong]}, {more} gap).")
+
+
+def _is_valid(row):
+    v = row.get("valid", 1)
+    try:
+        return bool(int(float(v)))
+    except (TypeError, ValueError):
+        return False
 
 
 def _column(rows, key):
@@ -452,6 +499,8 @@ def summarize(rows, measures=None, gaps=None, n_resamples=2000, confidence=0.95,
     """All of the study's statistics for a list of rows, per dataset.
 
     Correlations mix no datasets: the gap's scale differs between them.
+    Rows with a false ``valid`` (runs that collapsed or diverged) are left
+    out of every statistic and counted in ``n_invalid``.
 
     Args:
         rows: dicts with at least ``dataset``, ``optimizer``, the measure and
@@ -465,11 +514,12 @@ def summarize(rows, measures=None, gaps=None, n_resamples=2000, confidence=0.95,
             noise/Fisher alignment).
 
     Returns:
-        ``{dataset: {"n_runs", "correlations": {gap: {measure: {"kendall":
+        ``{dataset: {"n_runs" (valid), "n_invalid", "correlations": {gap: {measure: {"kendall":
         ..., "spearman": ...}}}, "comparisons": {gap: {"a - b":
-        correlation_difference(...)}}, "exponents": {measure: {"all": ...,
-        optimizer: ...}}, "optimizers": {optimizer: {column: [mean, sem,
-        n]}}}}`` with every result as a plain dict (JSON-ready).
+        correlation_difference(..., absolute=True)}}, "exponents": {measure:
+        {optimizer: ..., "all": ... (only with several optimizers)}},
+        "optimizers": {optimizer: {column: [mean, sem, n]}}}}`` with every
+        result as a plain dict (JSON-ready).
 
     Raises:
         ValueError: if `confidence` is not in (0, 1).
@@ -486,7 +536,8 @@ def summarize(rows, measures=None, gaps=None, n_resamples=2000, confidence=0.95,
     gaps = list(GAPS if gaps is None else gaps)
     out = {}
     for dataset in dict.fromkeys(r["dataset"] for r in rows):
-        sub = [r for r in rows if r["dataset"] == dataset]
+        everything = [r for r in rows if r["dataset"] == dataset]
+        sub = [r for r in everything if _is_valid(r)]
         corr = {}
         for gap in gaps:
             y = _column(sub, gap)
@@ -500,7 +551,7 @@ def summarize(rows, measures=None, gaps=None, n_resamples=2000, confidence=0.95,
             y = _column(sub, gap)
             compare[gap] = {
                 f"{a} - {b}": correlation_difference(_column(sub, a), _column(sub, b), y, "kendall",
-                                                     n_resamples, confidence, seed)
+                                                     n_resamples, confidence, seed, absolute=True)
                 for a, b in COMPARISONS if a in measures and b in measures
             }
         b_eta = _column(sub, "b_over_eta")
@@ -509,15 +560,18 @@ def summarize(rows, measures=None, gaps=None, n_resamples=2000, confidence=0.95,
         for m in EXPONENT_MEASURES:
             if m not in measures:
                 continue
-            fits = {"all": fit_exponent(b_eta, _column(sub, m), confidence, n_resamples, seed).to_dict()}
+            fits = {}
             for opt in optimizers:
                 mine = [r for r in sub if r["optimizer"] == opt]
                 fits[opt] = fit_exponent(_column(mine, "b_over_eta"), _column(mine, m), confidence, n_resamples, seed).to_dict()
+            if len(optimizers) > 1:  # with one optimizer "all" would repeat its row
+                fits["all"] = fit_exponent(b_eta, _column(sub, m), confidence, n_resamples, seed).to_dict()
             exponents[m] = fits
         per_opt = {}
         for opt in optimizers:
             mine = [r for r in sub if r["optimizer"] == opt]
             per_opt[opt] = {c: list(mean_sem(_column(mine, c))) for c in ("test_acc", "train_acc", *gaps, *measures, *extra_columns)}
-        out[dataset] = {"n_runs": len(sub), "correlations": corr, "comparisons": compare, "exponents": exponents,
+        out[dataset] = {"n_runs": len(sub), "n_invalid": len(everything) - len(sub), "correlations": corr,
+                        "comparisons": compare, "exponents": exponents,
                         "optimizers": per_opt}
     return out
