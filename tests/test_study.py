@@ -446,3 +446,20 @@ def test_a_collapsed_run_is_flagged_invalid():
                            num_classes=classes)
     assert row["valid"] == 0 and row["invalid_reason"].startswith("collapsed: train acc")
     assert row["diverged"] == 0
+
+
+def test_label_noise_is_an_axis_of_the_grid_with_its_own_statistics(tmp_path):
+    result = study.run_study(str(tmp_path), "smoke", optimizers=("sgd",), batch_sizes=(32,), label_noises=(0.0, 0.4),
+                             plot=False, verbose=0)
+    by_noise = {r["label_noise"]: r for r in result.rows}
+    assert set(by_noise) == {0.0, 0.4}
+    assert by_noise[0.0]["label_noise_changed"] == 0.0
+    assert by_noise[0.4]["label_noise_changed"] == round(0.4 * 256) / 256  # the fraction actually changed
+    assert set(result.summary["datasets"]) == {"digits", "digits, label noise 0.4"}
+    # the noisy run trained on other labels: another train loss, the same test set
+    assert by_noise[0.4]["train_loss"] != by_noise[0.0]["train_loss"]
+    (x, y), (xt, yt), classes = grid.load_study_data("digits")
+    from keras_geosam.experiments.data import symmetric_label_noise
+
+    noisy, changed = symmetric_label_noise(y[:256], 0.4, classes, seed=0)
+    assert changed == by_noise[0.4]["label_noise_changed"] and np.mean(noisy != y[:256]) == changed

@@ -105,6 +105,9 @@ def add_arguments(parser):
                    "(Keras' cache). Preset: " + _preset_help("datasets"))
     g.add_argument("--data", metavar="PATH.npz", help="your own data: x_train, y_train, x_test, y_test")
     g.add_argument("--optimizers", type=_list(str), help=_optimizer_names() + ". Preset: " + _preset_help("optimizers"))
+    g.add_argument("--label-noise", dest="label_noises", type=_list(float), help="fractions of training labels "
+                   "changed to another class (symmetric noise; test labels untouched), e.g. 0,0.4,0.8; statistics "
+                   "are computed per fraction (default: 0)")
     g.add_argument("--batch-sizes", type=_list(int), help="Preset: " + _preset_help("batch_sizes"))
     g.add_argument("--lrs", "--learning-rates", dest="learning_rates", type=_list(float),
                    help="learning rates of the base optimizer (SGD with momentum 0.9 unless METHOD@BASE). Preset: "
@@ -176,7 +179,8 @@ def build_parser(parser=None):
 
 _OVERRIDES = ("datasets", "data", "optimizers", "batch_sizes", "learning_rates", "seeds", "epochs", "train_size",
               "probe_size", "num_probes", "width", "depth", "activation", "max_iter", "alignment_size", "alignment_batches",
-              "damping", "n_resamples", "confidence", "probe_data", "min_train_acc", "steps", "target_train_loss")
+              "damping", "n_resamples", "confidence", "probe_data", "min_train_acc", "steps", "target_train_loss",
+              "label_noises")
 
 
 def run_from_args(args):

@@ -30,6 +30,7 @@ from keras_geosam.experiments.budget import budget_text
 from keras_geosam.experiments.budget import fit_within_budget
 from keras_geosam.experiments.data import PROBE_SOURCES
 from keras_geosam.experiments.data import probe_subset
+from keras_geosam.experiments.data import symmetric_label_noise
 from keras_geosam.experiments.models import build_mlp
 from keras_geosam.experiments.optimizers import OPTIMIZERS
 from keras_geosam.experiments.validity import check_run
@@ -61,15 +62,15 @@ DEFAULT_PRESET = "small"
 # Environment variable that picks the preset when no flag does (CI: smoke).
 MODE_ENV = "KERAS_GEOSAM_GUIDE_MODE"
 
-GRID_KEYS = ("datasets", "optimizers", "batch_sizes", "learning_rates", "seeds")
+GRID_KEYS = ("datasets", "label_noises", "optimizers", "batch_sizes", "learning_rates", "seeds")
 # Per-run settings: a row is reused only when these match (its fingerprint).
 RUN_SETTINGS = (
     "epochs", "steps", "target_train_loss", "train_size", "probe_size", "num_probes", "width", "depth", "activation", "max_iter",
     "alignment_size", "alignment_batches", "data_seed", "damping", "probe_data", "min_train_acc",
 )
-KEY_FIELDS = ("dataset", "optimizer", "batch_size", "lr", "seed")
+KEY_FIELDS = ("dataset", "label_noise", "optimizer", "batch_size", "lr", "seed")
 FIELDS = (
-    *KEY_FIELDS, "b_over_eta", "backend", "fingerprint", "probe_data", "diverged", "valid", "invalid_reason",
+    *KEY_FIELDS, "label_noise_changed", "b_over_eta", "backend", "fingerprint", "probe_data", "diverged", "valid", "invalid_reason",
     "steps", "epochs_run", "converged",
     "train_loss", "train_acc", "test_loss", "test_acc", "gap_loss", "gap_acc",
     "sr_kfac", "sr_kfac_stderr", "sr_diag", "sr_diag_stderr", "trace_h", "trace_h_stderr",
@@ -171,7 +172,8 @@ def resolve_settings(preset=None, **overrides):
     if preset not in PRESETS:
         raise ValueError(f"Unknown study preset {preset!r}; choose from {PRESET_NAMES} (or set {MODE_ENV}).")
     s = dict(PRESETS[preset], preset=preset, depth=2, activation="relu", data_seed=0, damping=None,
-             confidence=0.95, data=None, probe_data="train", min_train_acc=None, target_train_loss=None)
+             confidence=0.95, data=None, probe_data="train", min_train_acc=None, target_train_loss=None,
+             label_noises=(0.0,))
     unknown = set(overrides) - set(s)
     if unknown:
         raise ValueError(f"Unknown study setting(s) {sorted(unknown)}; known: {sorted(s)}.")
@@ -201,6 +203,9 @@ def resolve_settings(preset=None, **overrides):
     for k in ("batch_sizes", "seeds"):
         s[k] = tuple(int(v) for v in s[k])
     s["learning_rates"] = tuple(float(v) for v in s["learning_rates"])
+    s["label_noises"] = tuple(float(v) for v in s["label_noises"])
+    if any(not 0 <= p < 1 for p in s["label_noises"]):
+        raise ValueError(f"label noise fractions must be in [0, 1), got {s['label_noises']}.")
     if any(b < 1 for b in s["batch_sizes"]) or any(not lr > 0 for lr in s["learning_rates"]):
         raise ValueError("batch sizes must be >= 1 and learning rates > 0.")
     # Plain ints and floats, so that the fingerprint of 16 and np.int64(16) agree.
@@ -430,8 +435,8 @@ def measure_run(model, train, test, probe, settings, batch_size, lr, seed, num_c
 
 
 def run_key(row):
-    """The key a row is found by when resuming: ``(dataset, optimizer,
-    batch_size, lr, seed)`` with typed values.
+    """The key a row is found by when resuming: ``(dataset, label_noise,
+    optimizer, batch_size, lr, seed)`` with typed values.
 
     Args:
         row: a dict with the :data:`KEY_FIELDS` (strings or numbers).
@@ -444,10 +449,12 @@ def run_key(row):
 
     Example:
 
-    >>> run_key({"dataset": "digits", "optimizer": "sgd", "batch_size": "16", "lr": "0.05", "seed": "0"})
-    ('digits', 'sgd', 16, 0.05, 0)
+    >>> run_key({"dataset": "digits", "label_noise": "0.4", "optimizer": "sgd", "batch_size": "16", "lr": "0.05",
+    ...          "seed": "0"})
+    ('digits', 0.4, 'sgd', 16, 0.05, 0)
     """
-    return (str(row["dataset"]), str(row["optimizer"]), int(row["batch_size"]), float(row["lr"]), int(row["seed"]))
+    return (str(row["dataset"]), float(row["label_noise"]), str(row["optimizer"]), int(row["batch_size"]),
+            float(row["lr"]), int(row["seed"]))
 
 
 def read_rows(path):
@@ -586,8 +593,8 @@ def grid_runs(settings, dataset_names):
     4
     """
     return [
-        dict(dataset=d, optimizer=o, batch_size=b, lr=lr, seed=sd)
-        for d in dataset_names for sd in settings["seeds"] for o in settings["optimizers"]
+        dict(dataset=d, label_noise=p, optimizer=o, batch_size=b, lr=lr, seed=sd)
+        for d in dataset_names for sd in settings["seeds"] for p in settings["label_noises"] for o in settings["optimizers"]
         for b in settings["batch_sizes"] for lr in settings["learning_rates"]
     ]
 
@@ -686,8 +693,12 @@ def run_study(output="geosam_output/study", preset=None, *, fresh=False, plot=Tr
         (x_tr, y_tr), (x_te, y_te), classes = data[name]
         if s["train_size"]:
             x_tr, y_tr = x_tr[: s["train_size"]], y_tr[: s["train_size"]]
-        probe = probe_subset((x_tr, y_tr), (x_te, y_te), s["probe_size"], s["probe_data"])
-        prepared[name] = ((x_tr, y_tr), (x_te, y_te), probe, classes)
+        for p in s["label_noises"]:
+            # Noise on training labels only, the same draw for every run at
+            # this fraction; the probe (training data) carries it too.
+            y_noisy, changed = symmetric_label_noise(y_tr, p, classes, seed=s["data_seed"])
+            probe = probe_subset((x_tr, y_noisy), (x_te, y_te), s["probe_size"], s["probe_data"])
+            prepared[name, p] = ((x_tr, y_noisy), (x_te, y_te), probe, classes, changed)
 
     fingerprints, run_settings = {}, {}
     for name in names:
@@ -703,13 +714,13 @@ def run_study(output="geosam_output/study", preset=None, *, fresh=False, plot=Tr
         f"{budget_text(s)} each; rows -> {csv_path}")
     num_run = num_skipped = 0
     for i, run in enumerate(runs):
-        label = (f"[{i + 1}/{len(runs)}] {run['dataset']} {run['optimizer']} B={run['batch_size']} "
+        label = (f"[{i + 1}/{len(runs)}] {group_name(run)} {run['optimizer']} B={run['batch_size']} "
                  f"lr={run['lr']:g} seed={run['seed']}")
         if run_key(run) in done:
             num_skipped += 1
             say(f"{label}: in the CSV, skipped")
             continue
-        train, test, probe, classes = prepared[run["dataset"]]
+        train, test, probe, classes, changed = prepared[run["dataset"], run["label_noise"]]
         model, loss = _initialised_model(train[0].shape[1], classes, run["seed"], s)
         model.compile(optimizer=OPTIMIZERS[run["optimizer"]](run["lr"]), loss=loss, metrics=["accuracy"])
         t0 = time.perf_counter()
@@ -718,7 +729,7 @@ def run_study(output="geosam_output/study", preset=None, *, fresh=False, plot=Tr
         seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         row = dict(run, b_over_eta=run["batch_size"] / run["lr"], backend=backend,
-                   fingerprint=fingerprints[run["dataset"]], probe_data=s["probe_data"],
+                   fingerprint=fingerprints[run["dataset"]], probe_data=s["probe_data"], label_noise_changed=changed,
                    steps=budget["steps"], epochs_run=budget["epochs"], converged=budget["converged"])
         row.update(measure_run(model, train, test, probe, s, run["batch_size"], run["lr"], run["seed"], classes))
         row.update(seconds=seconds, measure_seconds=time.perf_counter() - t1, complete=1)
@@ -739,8 +750,10 @@ def run_study(output="geosam_output/study", preset=None, *, fresh=False, plot=Tr
     # collapsed or diverged network's sharpness describes no minimum. They
     # stay in the CSV and the figure.
     usable = [r for r in rows if int(r["valid"])]
+    # Label noise moves the gap by itself: statistics never mix noise levels.
+    grouped = [dict(r, dataset=group_name(r)) for r in rows]
     summary = stats.summarize(
-        rows, measures=list(stats.MEASURES), gaps=list(stats.GAPS), n_resamples=s["n_resamples"],
+        grouped, measures=list(stats.MEASURES), gaps=list(stats.GAPS), n_resamples=s["n_resamples"],
         confidence=s["confidence"], seed=0,
         extra_columns=("align_cosine", "align_rank_correlation", "align_log_cosine", "align_alpha_b"),
     )
@@ -759,12 +772,19 @@ def run_study(output="geosam_output/study", preset=None, *, fresh=False, plot=Tr
     figure_path = None
     if plot and rows:
         figure_path = os.path.join(output, FIGURE_NAME)
-        report.plot(rows, summary, figure_path)
+        report.plot(grouped, summary, figure_path)
     if verbose:
         print()
-        print(report.format_report(rows, result_summary))
+        print(report.format_report(grouped, result_summary))
         print(f"\nrows: {csv_path}\nsummary: {summary_path}" + (f"\nfigure: {figure_path}" if figure_path else ""))
     return StudyResult(rows, plain, csv_path, summary_path, figure_path, num_run, num_skipped, skipped)
+
+
+def group_name(row):
+    """The group a row's statistics are computed in: its dataset, with the
+    label noise when there is any (``"digits, label noise 0.4"``)."""
+    p = float(row.get("label_noise", 0) or 0)
+    return str(row["dataset"]) + (f", label noise {p:g}" if p else "")
 
 
 def _short_key(row):
