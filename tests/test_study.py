@@ -463,3 +463,22 @@ def test_label_noise_is_an_axis_of_the_grid_with_its_own_statistics(tmp_path):
 
     noisy, changed = symmetric_label_noise(y[:256], 0.4, classes, seed=0)
     assert changed == by_noise[0.4]["label_noise_changed"] and np.mean(noisy != y[:256]) == changed
+
+
+def test_trajectory_logs_sharpness_along_training_and_ends_at_the_final_row(tmp_path):
+    from keras_geosam.study import trajectory
+
+    result = study.run_study(str(tmp_path), "smoke", optimizers=("sgd",), batch_sizes=(32, 128), trajectory=True,
+                             trajectory_points=3, verbose=0)
+    points = trajectory.read_rows(os.path.join(str(tmp_path), trajectory.CSV_NAME))
+    for row in result.rows:
+        mine = sorted((p for p in points if grid.run_key(p) == grid.run_key(row)), key=lambda p: p["step"])
+        assert 2 <= len(mine) <= 4, mine
+        last = mine[-1]
+        assert last["step"] == row["steps"] == 24 and last["epoch"] == row["epochs_run"]
+        # the last point is taken at the final weights, on the same probe, as the row
+        for col in ("sr_kfac", "trace_h", "lambda_max", "lambda_max_r"):
+            assert last[col] == pytest.approx(row[col], rel=1e-5), col
+            assert all(math.isfinite(p[col]) and p[col + "_stderr"] >= 0 for p in mine)
+    with open(os.path.join(str(tmp_path), trajectory.FIGURE_NAME), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

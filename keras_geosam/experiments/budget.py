@@ -42,6 +42,20 @@ def budget_text(settings):
     return f"until the epoch's mean train loss <= {settings['target_train_loss']:g}, at most {cap}"
 
 
+def epoch_cap(num_examples, batch_size, steps=0, epochs=None):
+    """The epochs a run may begin: enough for `steps` optimizer steps, or
+    `epochs` when ``steps == 0``.
+
+    Example:
+
+    >>> epoch_cap(300, 128, steps=25), epoch_cap(300, 128, epochs=4)
+    (9, 4)
+    """
+    if steps:
+        return math.ceil(int(steps) / math.ceil(int(num_examples) / int(batch_size)))
+    return int(epochs)
+
+
 def fit_within_budget(model, x, y, batch_size, *, steps=0, epochs=None, target_train_loss=None, callbacks=(),
                       verbose=0, **fit_kwargs):
     """``model.fit`` for `steps` optimizer steps (``steps > 0``) or `epochs`
@@ -71,8 +85,7 @@ def fit_within_budget(model, x, y, batch_size, *, steps=0, epochs=None, target_t
     """
     if not (steps and steps > 0) and not (epochs and epochs > 0):
         raise ValueError(f"give steps > 0 or epochs > 0, got steps={steps!r}, epochs={epochs!r}.")
-    per_epoch = math.ceil(len(x) / int(batch_size))
-    max_epochs = math.ceil(int(steps) / per_epoch) if steps else int(epochs)
+    max_epochs = epoch_cap(len(x), batch_size, steps, epochs)
     budget = _callback(int(steps or 0), None if target_train_loss is None else float(target_train_loss))
     history = model.fit(x, y, batch_size=int(batch_size), epochs=max_epochs, verbose=verbose,
                         callbacks=[budget, *callbacks], **fit_kwargs)

@@ -139,6 +139,10 @@ def add_arguments(parser):
                    + _preset_help("alignment_batches"))
     r.add_argument("--damping", type=_nonneg_float, help=f"relative damping of the Fisher metric (default: {DAMPING}, "
                    "the command line's; the library's functions default to 1e-3)")
+    r.add_argument("--trajectory", action="store_true", default=None, help="also log S_R (K-FAC), tr H and both "
+                   "lambda_max at about --trajectory-points epochs of each run (SharpnessLogger) into "
+                   "trajectories.csv and trajectories.png")
+    r.add_argument("--trajectory-points", type=_pos_int, help="logged epochs per run with --trajectory (default 6)")
     a = parser.add_argument_group("statistics")
     a.add_argument("--resamples", dest="n_resamples", type=_pos_int, help="bootstrap resamples. Preset: "
                    + _preset_help("n_resamples"))
@@ -180,7 +184,7 @@ def build_parser(parser=None):
 _OVERRIDES = ("datasets", "data", "optimizers", "batch_sizes", "learning_rates", "seeds", "epochs", "train_size",
               "probe_size", "num_probes", "width", "depth", "activation", "max_iter", "alignment_size", "alignment_batches",
               "damping", "n_resamples", "confidence", "probe_data", "min_train_acc", "steps", "target_train_loss",
-              "label_noises")
+              "label_noises", "trajectory", "trajectory_points")
 
 
 def run_from_args(args):

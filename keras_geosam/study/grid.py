@@ -27,6 +27,7 @@ import numpy as np
 from keras_geosam.experiments import DAMPING
 from keras_geosam.experiments.arguments import from_csv as _from_csv
 from keras_geosam.experiments.budget import budget_text
+from keras_geosam.experiments.budget import epoch_cap
 from keras_geosam.experiments.budget import fit_within_budget
 from keras_geosam.experiments.data import PROBE_SOURCES
 from keras_geosam.experiments.data import probe_subset
@@ -67,6 +68,7 @@ GRID_KEYS = ("datasets", "label_noises", "optimizers", "batch_sizes", "learning_
 RUN_SETTINGS = (
     "epochs", "steps", "target_train_loss", "train_size", "probe_size", "num_probes", "width", "depth", "activation", "max_iter",
     "alignment_size", "alignment_batches", "data_seed", "damping", "probe_data", "min_train_acc",
+    "trajectory", "trajectory_points",
 )
 KEY_FIELDS = ("dataset", "label_noise", "optimizer", "batch_size", "lr", "seed")
 FIELDS = (
@@ -173,7 +175,7 @@ def resolve_settings(preset=None, **overrides):
         raise ValueError(f"Unknown study preset {preset!r}; choose from {PRESET_NAMES} (or set {MODE_ENV}).")
     s = dict(PRESETS[preset], preset=preset, depth=2, activation="relu", data_seed=0, damping=None,
              confidence=0.95, data=None, probe_data="train", min_train_acc=None, target_train_loss=None,
-             label_noises=(0.0,))
+             label_noises=(0.0,), trajectory=False, trajectory_points=6)
     unknown = set(overrides) - set(s)
     if unknown:
         raise ValueError(f"Unknown study setting(s) {sorted(unknown)}; known: {sorted(s)}.")
@@ -209,7 +211,8 @@ def resolve_settings(preset=None, **overrides):
     if any(b < 1 for b in s["batch_sizes"]) or any(not lr > 0 for lr in s["learning_rates"]):
         raise ValueError("batch sizes must be >= 1 and learning rates > 0.")
     # Plain ints and floats, so that the fingerprint of 16 and np.int64(16) agree.
-    for k in ("epochs", "probe_size", "num_probes", "width", "depth", "max_iter", "alignment_size",
+    s["trajectory"] = bool(s["trajectory"])
+    for k in ("trajectory_points", "epochs", "probe_size", "num_probes", "width", "depth", "max_iter", "alignment_size",
               "alignment_batches", "n_resamples"):
         s[k] = int(s[k])
         if s[k] < 1:
@@ -661,12 +664,16 @@ def run_study(output="geosam_output/study", preset=None, *, fresh=False, plot=Tr
     from keras_geosam.cli import OPTIMIZERS
     from keras_geosam.study import report
     from keras_geosam.study import stats
+    from keras_geosam.study import trajectory
 
     backend = keras.backend.backend()
     os.makedirs(output, exist_ok=True)
     csv_path = os.path.join(output, CSV_NAME)
-    if fresh and os.path.exists(csv_path):
-        os.remove(csv_path)
+    traj_path = os.path.join(output, trajectory.CSV_NAME)
+    if fresh:
+        for path in (csv_path, traj_path):
+            if os.path.exists(path):
+                os.remove(path)
     say = print if verbose else (lambda *a, **k: None)
 
     # Data, loaded once per dataset and shared by its runs.
@@ -724,8 +731,12 @@ def run_study(output="geosam_output/study", preset=None, *, fresh=False, plot=Tr
         model, loss = _initialised_model(train[0].shape[1], classes, run["seed"], s)
         model.compile(optimizer=OPTIMIZERS[run["optimizer"]](run["lr"]), loss=loss, metrics=["accuracy"])
         t0 = time.perf_counter()
+        traced = []
+        if s["trajectory"]:
+            cap = epoch_cap(len(train[0]), run["batch_size"], s["steps"], s["epochs"])
+            traced = trajectory.callbacks(probe, s, cap, run["seed"])
         _, budget = fit_within_budget(model, train[0], train[1], run["batch_size"], steps=s["steps"],
-                                      epochs=s["epochs"], target_train_loss=s["target_train_loss"])
+                                      epochs=s["epochs"], target_train_loss=s["target_train_loss"], callbacks=traced)
         seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         row = dict(run, b_over_eta=run["batch_size"] / run["lr"], backend=backend,
@@ -733,6 +744,8 @@ def run_study(output="geosam_output/study", preset=None, *, fresh=False, plot=Tr
                    steps=budget["steps"], epochs_run=budget["epochs"], converged=budget["converged"])
         row.update(measure_run(model, train, test, probe, s, run["batch_size"], run["lr"], run["seed"], classes))
         row.update(seconds=seconds, measure_seconds=time.perf_counter() - t1, complete=1)
+        if traced:  # before the row: a run without its row is re-run, and its points replaced
+            trajectory.replace_rows(traj_path, KEY_FIELDS, run, traced[1].points)
         append_row(csv_path, row)
         num_run += 1
         say(f"{label}: test acc {row['test_acc']:.4f}, gap {row['gap_loss']:.4f}, "
@@ -770,6 +783,11 @@ def run_study(output="geosam_output/study", preset=None, *, fresh=False, plot=Tr
     with open(summary_path, "w") as f:
         json.dump(plain, f, indent=1)
     figure_path = None
+    if plot and rows and s["trajectory"]:
+        wanted = {run_key(r) for r in rows}
+        points = [p for p in trajectory.read_rows(traj_path) if run_key(p) in wanted]
+        if points:
+            trajectory.plot(points, os.path.join(output, trajectory.FIGURE_NAME), group=group_name)
     if plot and rows:
         figure_path = os.path.join(output, FIGURE_NAME)
         report.plot(grouped, summary, figure_path)
