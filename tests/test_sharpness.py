@@ -657,6 +657,27 @@ def test_riemannian_empirical_metric():
     assert est.info["fisher"] == "empirical"
 
 
+@pytest.mark.parametrize("metric", ["diagonal", "kfac"])
+def test_metric_counts_add_up_and_match_the_dense_metric(metric):
+    """Both structures count directions of their own metric: nonzero plus
+    zero Fisher is the parameter count, the nonzero ones are the rank of the
+    dense metric, and only the pseudo-inverse excludes the zero ones."""
+    case = get_case("relu_mlp")  # one dead unit: exact zeros in both metrics
+    M = ks.fisher_metric(case.model, case.x, case.y, metric)
+    dense = np.asarray(keras.ops.convert_to_numpy(M.to_dense()), "float64")
+    eig = np.linalg.eigvalsh((dense + dense.T) / 2)
+    rank = int(np.sum(eig > 1e-6 * eig.max()))
+    assert 0 < rank < case.num_params
+    for damping in (0.0, 0.1):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            info = ks.riemannian_sharpness(case.model, case.x, case.y, metric=metric, damping=damping,
+                                           num_probes=2, rtol=None).info
+        assert info["num_nonzero_fisher"] + info["num_zero_fisher"] == info["num_params"] == case.num_params
+        assert info["num_nonzero_fisher"] == rank, (damping, info)
+        assert info["num_excluded"] == (info["num_zero_fisher"] if damping == 0 else 0)
+
+
 def test_riemannian_reports_excluded_parameters():
     case = get_case("relu_mlp")  # one dead unit: zero Fisher for its weights
     F = case.fisher_diag_exact()

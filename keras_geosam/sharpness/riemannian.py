@@ -52,25 +52,35 @@ def _count(condition):
     return ops.sum(ops.cast(condition, "int32"))
 
 
-def _metric_info(M, Minv, metric):
-    """Parameter counts of the metric: nonzero Fisher, excluded (pseudo-inverse);
-    counted on the device, two integers reach the host."""
+def _kept(block):
+    """Directions an inverse block keeps (nonzero scale): coordinates of a
+    diagonal block, Kronecker eigen-directions of a K-FAC / EK-FAC one."""
+    if isinstance(block, EKFAC) and block.null is not None:
+        # A Gram-built block: QA's nonzero columns, then the complement
+        # (one scale, `null`, on (m - rank) * n directions).
+        used = ops.greater(ops.sum(ops.square(block.QA), axis=0), 0)
+        kept = _count(ops.logical_and(ops.not_equal(block.s, 0), used[:, None]))
+        rest = (block.view[0] - _count(used)) * block.view[1]
+        return kept + rest * ops.cast(ops.not_equal(block.null, 0), "int32")
+    return _count(ops.not_equal(block.s if isinstance(block, EKFAC) else block.values[0], 0))
+
+
+def _metric_info(M, Minv, damping, rcond):
+    """Direction counts of the metric, the same for every structure, in its
+    own eigenbasis (coordinates for the diagonal, Kronecker eigen-directions
+    for K-FAC): ``num_nonzero_fisher`` directions where the undamped Fisher is
+    nonzero (above the pseudo-inverse's rounding cutoff), ``num_zero_fisher``
+    the rest (the two add up to ``num_params``), ``num_excluded`` the
+    directions the inverse used leaves out (the zero-Fisher ones for the
+    pseudo-inverse, ``damping=0``; none when damped, unless a block is at
+    rounding level). Counted on the device; three integers reach the host.
+    The pseudo-inverse reuses the factors' cached eigendecompositions."""
     num_params = int(sum(int(np.prod(s)) for s in M.shapes))
-    nonzero, excluded = [], []
-    for b, bi in zip(M.blocks, Minv.blocks):
-        if isinstance(bi, EKFAC) and bi.null is not None:
-            # A Gram-built block: QA's nonzero columns, then the complement
-            # (one scale, `null`, on (m - rank) * n directions).
-            used = ops.greater(ops.sum(ops.square(bi.QA), axis=0), 0)
-            excluded.append(_count(ops.logical_and(ops.equal(bi.s, 0), used[:, None])))
-            rest = (bi.view[0] - _count(used)) * bi.view[1]
-            excluded.append(rest * ops.cast(ops.equal(bi.null, 0), "int32"))
-        else:
-            inv = bi.s if isinstance(bi, EKFAC) else bi.values[0]
-            excluded.append(_count(ops.equal(inv, 0)))
-        nonzero.append(_count(ops.greater(b.diagonal()[0], 0)))
-    counts = ops.convert_to_numpy(ops.stack([sum(nonzero), sum(excluded)]))
-    return {"num_params": num_params, "num_nonzero_fisher": int(counts[0]), "num_excluded": int(counts[1])}
+    pinv = Minv if damping == 0 else M.inverse(0.0, relative=True, rcond=rcond)
+    counts = ops.convert_to_numpy(ops.stack([sum(_kept(b) for b in pinv.blocks), sum(_kept(b) for b in Minv.blocks)]))
+    nonzero, used = int(counts[0]), int(counts[1])
+    return {"num_params": num_params, "num_nonzero_fisher": nonzero, "num_zero_fisher": num_params - nonzero,
+            "num_excluded": num_params - used}
 
 
 def riemannian_sharpness(
@@ -173,7 +183,7 @@ def riemannian_sharpness(
 
     info = {"metric": metric, "fisher": fisher, "damping": damping, "damping_relative_to": "each block's mean eigenvalue"}
     info.update(M.info if hasattr(M, "info") else {})
-    info.update(_metric_info(M, Minv, metric))
+    info.update(_metric_info(M, Minv, damping, rcond))
     if split:
         what = f"riemannian_sharpness (metric={metric!r}, damping={damping:g})"
         est = split_trace(model, x, y, Minv, Mis, num_probes, rtol, max_probes, estimator, seed, batch_size, loss, verbose,
