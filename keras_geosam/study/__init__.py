@@ -33,6 +33,7 @@ from keras_geosam.experiments.arguments import positive_int as _pos_int
 from keras_geosam.experiments.data import PROBE_SOURCES
 from keras_geosam.experiments.optimizers import names_help as _optimizer_names
 from keras_geosam.study import stats
+from keras_geosam.study.grid import DEFAULTS
 from keras_geosam.study.grid import FIELDS
 from keras_geosam.study.grid import MODE_ENV
 from keras_geosam.study.grid import PRESETS
@@ -62,8 +63,10 @@ def _list(cast):
 
 
 def _preset_help(key):
-    return "; ".join(f"{name}: {','.join(map(str, p[key])) if isinstance(p[key], tuple) else p[key]}"
-                     for name, p in PRESETS.items())
+    def text(v):
+        return ",".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+    return "; ".join(f"{name}: {text(p[key] if key in p else DEFAULTS[key])}" for name, p in PRESETS.items())
 
 
 def add_arguments(parser):
@@ -107,7 +110,7 @@ def add_arguments(parser):
     g.add_argument("--optimizers", type=_list(str), help=_optimizer_names() + ". Preset: " + _preset_help("optimizers"))
     g.add_argument("--label-noise", dest="label_noises", type=_list(float), help="fractions of training labels "
                    "changed to another class (symmetric noise; test labels untouched), e.g. 0,0.4,0.8; statistics "
-                   "are computed per fraction (default: 0)")
+                   "are computed per fraction. Preset: " + _preset_help("label_noises"))
     g.add_argument("--batch-sizes", type=_list(int), help="Preset: " + _preset_help("batch_sizes"))
     g.add_argument("--lrs", "--learning-rates", dest="learning_rates", type=_list(float),
                    help="learning rates of the base optimizer (SGD with momentum 0.9 unless METHOD@BASE). Preset: "
@@ -139,9 +142,9 @@ def add_arguments(parser):
                    + _preset_help("alignment_batches"))
     r.add_argument("--damping", type=_nonneg_float, help=f"relative damping of the Fisher metric (default: {DAMPING}, "
                    "the command line's; the library's functions default to 1e-3)")
-    r.add_argument("--trajectory", action="store_true", default=None, help="also log S_R (K-FAC), tr H and both "
-                   "lambda_max at about --trajectory-points epochs of each run (SharpnessLogger) into "
-                   "trajectories.csv and trajectories.png")
+    r.add_argument("--trajectory", action=argparse.BooleanOptionalAction, default=None, help="also log S_R "
+                   "(K-FAC), tr H and both lambda_max at about --trajectory-points epochs of each run "
+                   "(SharpnessLogger) into trajectories.csv and trajectories.png. Preset: " + _preset_help("trajectory"))
     r.add_argument("--trajectory-points", type=_pos_int, help="logged epochs per run with --trajectory (default 6)")
     a = parser.add_argument_group("statistics")
     a.add_argument("--resamples", dest="n_resamples", type=_pos_int, help="bootstrap resamples. Preset: "

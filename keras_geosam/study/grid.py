@@ -37,7 +37,8 @@ from keras_geosam.experiments.optimizers import OPTIMIZERS
 from keras_geosam.experiments.validity import check_run
 
 # Sizes of the study. ``smoke`` takes seconds (tests); ``small`` is the
-# guide's default (about a minute or two on 2 CPU cores); ``full`` is meant
+# guide's default (label noise 0 and 0.4, trajectories: about ten minutes on
+# 2 CPU cores); ``full`` is meant
 # for an accelerator. Keras datasets in ``full`` are skipped, with a notice,
 # when they are not in Keras' cache.
 PRESETS = {
@@ -48,7 +49,8 @@ PRESETS = {
     ),
     "small": dict(
         datasets=("digits",), optimizers=("sgd", "sam", "llqrsam"), batch_sizes=(16, 128),
-        learning_rates=(0.02, 0.1), seeds=(0,), epochs=8, steps=600, train_size=0, probe_size=128, num_probes=10,
+        learning_rates=(0.02, 0.1), seeds=(0,), label_noises=(0.0, 0.4), trajectory=True, epochs=8, steps=600,
+        train_size=0, probe_size=128, num_probes=10,
         width=32, max_iter=20, alignment_size=256, alignment_batches=8, n_resamples=1000,
     ),
     "full": dict(
@@ -58,6 +60,9 @@ PRESETS = {
         num_probes=20, width=128, max_iter=100, alignment_size=2048, alignment_batches=64, n_resamples=2000,
     ),
 }
+# Settings a preset may leave out.
+DEFAULTS = dict(depth=2, activation="relu", data_seed=0, damping=None, confidence=0.95, data=None, probe_data="train",
+                min_train_acc=None, target_train_loss=None, label_noises=(0.0,), trajectory=False, trajectory_points=6)
 PRESET_NAMES = tuple(PRESETS)
 DEFAULT_PRESET = "small"
 # Environment variable that picks the preset when no flag does (CI: smoke).
@@ -173,9 +178,7 @@ def resolve_settings(preset=None, **overrides):
     preset = preset or os.environ.get(MODE_ENV) or DEFAULT_PRESET
     if preset not in PRESETS:
         raise ValueError(f"Unknown study preset {preset!r}; choose from {PRESET_NAMES} (or set {MODE_ENV}).")
-    s = dict(PRESETS[preset], preset=preset, depth=2, activation="relu", data_seed=0, damping=None,
-             confidence=0.95, data=None, probe_data="train", min_train_acc=None, target_train_loss=None,
-             label_noises=(0.0,), trajectory=False, trajectory_points=6)
+    s = dict(DEFAULTS, **PRESETS[preset], preset=preset)
     unknown = set(overrides) - set(s)
     if unknown:
         raise ValueError(f"Unknown study setting(s) {sorted(unknown)}; known: {sorted(s)}.")
