@@ -18,7 +18,22 @@ SANE_MAGNITUDE = 10.0
 
 class InputScalingWarning(UserWarning):
     """:func:`load_npz` rescaled integer inputs, or found inputs far outside
-    a sane range (the message names the key)."""
+    a sane range (the message names the key).
+
+    Args:
+        *args: the message, as for any warning.
+
+    Raises:
+        Nothing when created; ``warnings.warn`` issues it.
+
+    Example:
+
+    >>> import warnings
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore", InputScalingWarning)  # e.g. known uint8 pixels
+    ...     issubclass(InputScalingWarning, UserWarning)
+    True
+    """
 
 
 NAMES = ("digits", "mnist1d", "mnist", "cifar10")
