@@ -15,16 +15,17 @@ import time
 
 from keras_geosam.experiments import DAMPING
 from keras_geosam.experiments.arguments import fraction as _fraction
-from keras_geosam.experiments.arguments import from_csv as _from_csv
 from keras_geosam.experiments.arguments import nonneg_float as _nonneg_float
 from keras_geosam.experiments.arguments import positive_float as _positive_float
 from keras_geosam.experiments.arguments import positive_int as _positive_int
 from keras_geosam.experiments.arguments import positive_ints as _positive_ints
 from keras_geosam.experiments.data import PROBE_SOURCES
 from keras_geosam.experiments.data import probe_subset
-from keras_geosam.experiments.models import build_mlp
 from keras_geosam.experiments.optimizers import OPTIMIZERS
+from keras_geosam.experiments.results import ResultsFile as _ResultsFile
 from keras_geosam.experiments.optimizers import names_help as _optimizer_names
+from keras_geosam.experiments.run import initialised_mlp
+from keras_geosam.experiments.run import train_run
 from keras_geosam.experiments.validity import check_run
 
 
@@ -214,7 +215,6 @@ def run_dataset(args, dataset, results):
     if x_tr.ndim > 2:
         x_tr, x_te = x_tr.reshape(len(x_tr), -1), x_te.reshape(len(x_te), -1)
     xp, yp = probe_subset((x_tr, y_tr), (x_te, y_te), args.probe_size, args.probe_data)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     names = [s.strip() for s in args.optimizers.split(",") if s.strip()]
     for n in names:
         if n not in OPTIMIZERS:
@@ -229,7 +229,7 @@ def run_dataset(args, dataset, results):
     )
     Logger = type("SharpnessLogger", (_TimedLogger, kg.callbacks.SharpnessLogger), {})
     runs = [(n, bs) for n in names for bs in batch_sizes]
-    out, curves, model = [], {}, None
+    out, curves = [], {}
     for i, (name, bs) in enumerate(runs, 1):
         label = f"{name_of_data} {name} B={bs}"
         hist_path = os.path.join(args.output, "history", f"{name_of_data}_{name}_B{bs}_{config}.json")
@@ -242,15 +242,9 @@ def run_dataset(args, dataset, results):
             continue
         if args.verbose:
             print(f"  [{i}/{len(runs)}] {label}: training {args.epochs} epochs", flush=True)
-        # One model per dataset, re-initialised for each run: the same
-        # weights as a fresh model, and the curvature kernels compiled for
-        # it on the first run serve every later run.
-        fresh = build_mlp(x_tr.shape[1], classes, args.seed)
-        if model is None:
-            model = fresh
-        else:
-            model.set_weights(fresh.get_weights())
-        model.compile(optimizer=OPTIMIZERS[name](args.lr), loss=loss, metrics=["accuracy"])
+        # One model per architecture, re-initialised for each run: the
+        # curvature kernels compiled for it serve every later run.
+        model, loss = initialised_mlp(x_tr.shape[1], classes, args.seed)
         logger = Logger(
             xp, yp,
             metrics=LOGGED,
@@ -261,11 +255,9 @@ def run_dataset(args, dataset, results):
         logger.announce = label if args.verbose else None
         callbacks = [logger] + ([_epoch_printer(label, args.epochs)] if args.verbose >= 2 else [])
         t0 = time.perf_counter()
-        hist = model.fit(
-            x_tr, y_tr, batch_size=bs, epochs=args.epochs, verbose=0,
-            validation_data=(x_te, y_te), callbacks=callbacks,
-        )
-        seconds = time.perf_counter() - t0
+        hist, budget = train_run(model, loss, name, args.lr, x_tr, y_tr, bs, epochs=args.epochs, callbacks=callbacks,
+                                 validation_data=(x_te, y_te))
+        seconds = budget["seconds"]
         if args.verbose:
             print(
                 f"  [{i}/{len(runs)}] {label}: trained in {seconds:.1f}s, of which sharpness logging "
@@ -305,49 +297,13 @@ def _write_json(path, obj):
     os.replace(tmp, path)  # atomic: a kill leaves the old file or the new one
 
 
-class ResultsFile:
-    """``results.csv``, one row per finished run, appended as runs finish.
-
-    Rows are keyed by ``(run, config)``; a killed job leaves the rows it
-    finished (a half-written last line is dropped on the next read), and a
-    re-run with the same configuration skips them.
-    """
+class ResultsFile(_ResultsFile):
+    """``results.csv``, one row per finished run, appended as runs finish
+    (``keras_geosam.experiments.results``), keyed by ``(run, config)``: a
+    re-run with the same configuration skips the rows it finds."""
 
     def __init__(self, path, fresh=False):
-        self.path = path
-        self.rows = []
-        self.fields = None
-        if fresh and os.path.exists(path):
-            os.remove(path)
-        if os.path.exists(path):
-            self._read()
-
-    def _read(self):
-        import csv
-
-        with open(self.path, newline="") as f:
-            text = f.read()
-        lines = text.splitlines(keepends=True)
-        if lines and not lines[-1].endswith("\n"):
-            lines = lines[:-1]  # cut off mid-write
-        reader = csv.DictReader(lines)
-        self.fields = reader.fieldnames
-        for rec in reader:
-            if None in rec or any(v is None for v in rec.values()):
-                continue  # a malformed line
-            self.rows.append({k: _from_csv(v) for k, v in rec.items()})
-        if "".join(lines) != text:
-            self._rewrite()
-
-    def _rewrite(self):
-        import csv
-
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=self.fields)
-            w.writeheader()
-            w.writerows(self.rows)
-        os.replace(tmp, self.path)
+        super().__init__(path, fresh=fresh, text_fields=("run", "config", "dataset", "optimizer", "note"))
 
     def get(self, run, config):
         for row in self.rows:
@@ -356,23 +312,10 @@ class ResultsFile:
         return None
 
     def append(self, row):
-        import csv
-
-        if self.fields is not None and list(row) != list(self.fields):
-            raise SystemExit(
-                f"{self.path} has other columns than this version writes; "
-                f"pass --fresh to start it over or --output for another folder."
-            )
-        new = self.fields is None
-        self.fields = list(row)
-        with open(self.path, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=self.fields)
-            if new:
-                w.writeheader()
-            w.writerow(row)
-            f.flush()
-            os.fsync(f.fileno())
-        self.rows.append(row)
+        try:
+            super().append(row)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
 
 
 FINAL_ESTIMATES = ("S_R diag", "S_R diag damped", "S_R mc(8) damped", "S_R kfac", "tr H", "lambda_max", "lambda_max R")

@@ -190,7 +190,9 @@ def test_main_job_measures_training_data_and_flags_a_dead_network():
     args = cli._parse(["--probe-size", "32", "--num-probes", "4"])
     assert args.probe_data == "train" and args.damping == 0.1 and args.min_train_acc is None
     (x, y), (xt, yt), classes = datasets.load("digits")
-    model = cli.build_mlp(x.shape[1], classes, seed=0, width=8)
+    from keras_geosam.experiments.models import build_mlp
+
+    model = build_mlp(x.shape[1], classes, seed=0, width=8)
     model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     for w in model.trainable_weights[:-1]:  # only the output bias lives: chance accuracy

@@ -100,3 +100,23 @@ def test_a_target_train_loss_stops_early_or_records_not_converged():
     assert budget["converged"] == 0 and budget["steps"] == 3
     with pytest.raises(ValueError, match="steps"):
         fit_within_budget(model, x, y, 32)
+
+
+def test_results_file_drops_torn_and_incomplete_rows_and_refuses_other_columns(tmp_path):
+    from keras_geosam.experiments.results import ResultsFile
+
+    path = tmp_path / "r.csv"
+    fields = ["key", "value", "complete"]
+    rf = ResultsFile(path, fields=fields, is_complete=lambda r: r["complete"] == "1", text_fields=("key",))
+    rf.append({"key": "007", "value": np.float64(0.1), "complete": 1})
+    rf.append({"key": "b", "value": 2, "complete": 0})  # a run that did not finish its row
+    with open(path, "a") as f:
+        f.write("c,3")  # killed mid-write
+    again = ResultsFile(path, fields=fields, is_complete=lambda r: r["complete"] == "1", text_fields=("key",))
+    assert again.rows == [{"key": "007", "value": 0.1, "complete": 1}]  # text kept as text, 0.1 read back exactly
+    assert path.read_text().splitlines() == ["key,value,complete", "007,0.1,1"]
+    with pytest.raises(ValueError, match="other columns"):
+        again.append({"key": "d", "other": 1})
+    with pytest.raises(ValueError, match="other columns"):
+        ResultsFile(path, fields=["key", "value"])
+    assert ResultsFile(path, fresh=True).rows == [] and not path.exists()

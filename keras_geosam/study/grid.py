@@ -13,7 +13,6 @@ Keras is imported inside the functions that train, so importing this module
 (and parsing the command line) stays fast.
 """
 
-import csv
 import dataclasses
 import hashlib
 import json
@@ -25,15 +24,16 @@ import warnings
 import numpy as np
 
 from keras_geosam.experiments import DAMPING
-from keras_geosam.experiments.arguments import from_csv as _from_csv
 from keras_geosam.experiments.budget import budget_text
 from keras_geosam.experiments.budget import epoch_cap
-from keras_geosam.experiments.budget import fit_within_budget
 from keras_geosam.experiments.data import PROBE_SOURCES
 from keras_geosam.experiments.data import probe_subset
 from keras_geosam.experiments.data import symmetric_label_noise
 from keras_geosam.experiments.models import build_mlp
 from keras_geosam.experiments.optimizers import OPTIMIZERS
+from keras_geosam.experiments.results import ResultsFile
+from keras_geosam.experiments.run import initialised_mlp
+from keras_geosam.experiments.run import train_run
 from keras_geosam.experiments.validity import check_run
 
 # Sizes of the study. ``smoke`` takes seconds (tests); ``small`` is the
@@ -310,30 +310,6 @@ def load_study_data(name, data_seed=0, path=None):
 build_model = build_mlp
 
 
-# One model per architecture, reused by every run with fresh initial weights
-# and a fresh optimizer: the sharpness functions cache their compiled kernels
-# per model and loss object, so reuse saves a retrace per run (seconds each
-# on JAX). The initial weights come from a model built anew with the run's
-# seed, which draws the same random numbers as a fresh model would.
-_MODEL_POOL = {}
-_POOL_SIZE = 4
-
-
-def _initialised_model(input_dim, num_classes, seed, settings):
-    import keras
-
-    arch = (int(input_dim), int(num_classes), int(settings["width"]), int(settings["depth"]), settings["activation"])
-    fresh = build_model(input_dim, num_classes, seed, settings["width"], settings["depth"], settings["activation"])
-    if arch not in _MODEL_POOL:
-        if len(_MODEL_POOL) >= _POOL_SIZE:
-            _MODEL_POOL.pop(next(iter(_MODEL_POOL)))
-        _MODEL_POOL[arch] = (fresh, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        return _MODEL_POOL[arch]
-    model, loss = _MODEL_POOL[arch]
-    model.set_weights(fresh.get_weights())
-    return model, loss
-
-
 def _est(row, name, est):
     row[name] = float(est.value)
     row[name + "_stderr"] = float(est.stderr)
@@ -484,40 +460,25 @@ def read_rows(path):
     >>> read_rows("no_such_study.csv")
     []
     """
-    if not os.path.exists(path) or os.path.getsize(path) == 0:
-        return []
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        header = tuple(reader.fieldnames or ())
-        raw = list(reader)
-    if header != FIELDS:
-        raise ValueError(
-            f"{path} is not a study CSV of this version (columns {list(header)[:6]}...); "
-            f"pass another output folder or fresh=True (--fresh) to start over."
-        )
-    good = []
-    for r in raw:
-        ok = r.get("complete") == "1" and None not in r and all(r.get(k) is not None for k in FIELDS)
-        if ok:
-            try:
-                run_key(r)
-            except (KeyError, ValueError):
-                ok = False
-        if ok:
-            good.append(r)
-    if len(good) != len(raw):
-        _rewrite(path, good)
-    return [{k: (v if k in ("dataset", "optimizer", "backend", "fingerprint") else _from_csv(v))
-             for k, v in r.items()} for r in good]
+    return _results_file(path).rows
 
 
-def _rewrite(path, rows):
-    tmp = path + ".tmp"
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, path)
+def _complete(raw):
+    if raw.get("complete") != "1":
+        return False
+    try:
+        run_key(raw)
+    except (KeyError, ValueError):
+        return False
+    return True
+
+
+def _results_file(path):
+    try:
+        return ResultsFile(path, fields=FIELDS, is_complete=_complete,
+                           text_fields=("dataset", "optimizer", "backend", "fingerprint", "probe_data"))
+    except ValueError as e:
+        raise ValueError(f"{path} is not a study CSV of this version: {e}") from None
 
 
 def append_row(path, row):
@@ -541,15 +502,7 @@ def append_row(path, row):
     missing = [k for k in FIELDS if k not in row]
     if missing:
         raise KeyError(f"row lacks {missing}")
-    new = not os.path.exists(path) or os.path.getsize(path) == 0
-    with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        if new:
-            w.writeheader()
-        # repr of a Python float reads back to the same float.
-        w.writerow({k: (float(v) if isinstance(v, np.floating) else v) for k, v in ((k, row[k]) for k in FIELDS)})
-        f.flush()
-        os.fsync(f.fileno())
+    _results_file(path).append({k: row[k] for k in FIELDS})
 
 
 def _check_config(output, fingerprints, run_settings, rows):
@@ -610,7 +563,7 @@ def run_study(output="geosam_output/study", preset=None, *, fresh=False, plot=Tr
     """Runs (or resumes) the study and writes its CSV, summary and figure.
 
     For every (dataset, seed, optimizer, batch size, learning rate) of the
-    grid: train an MLP with the optimizer from ``keras_geosam.cli.OPTIMIZERS``
+    grid: train an MLP with the optimizer from ``keras_geosam.experiments.optimizers.OPTIMIZERS``
     (each wraps SGD with momentum 0.9 at that learning rate), measure it
     (:func:`measure_run`) and append its row to ``output/study.csv``. Then
     compute the statistics (:func:`keras_geosam.study.stats.summarize`:
@@ -664,7 +617,6 @@ def run_study(output="geosam_output/study", preset=None, *, fresh=False, plot=Tr
     s = resolve_settings(preset, **overrides)
     import keras
 
-    from keras_geosam.cli import OPTIMIZERS
     from keras_geosam.study import report
     from keras_geosam.study import stats
     from keras_geosam.study import trajectory
@@ -731,16 +683,16 @@ def run_study(output="geosam_output/study", preset=None, *, fresh=False, plot=Tr
             say(f"{label}: in the CSV, skipped")
             continue
         train, test, probe, classes, changed = prepared[run["dataset"], run["label_noise"]]
-        model, loss = _initialised_model(train[0].shape[1], classes, run["seed"], s)
-        model.compile(optimizer=OPTIMIZERS[run["optimizer"]](run["lr"]), loss=loss, metrics=["accuracy"])
-        t0 = time.perf_counter()
+        model, loss = initialised_mlp(train[0].shape[1], classes, run["seed"], s["width"], s["depth"],
+                                      s["activation"])
         traced = []
         if s["trajectory"]:
             cap = epoch_cap(len(train[0]), run["batch_size"], s["steps"], s["epochs"])
             traced = trajectory.callbacks(probe, s, cap, run["seed"])
-        _, budget = fit_within_budget(model, train[0], train[1], run["batch_size"], steps=s["steps"],
-                                      epochs=s["epochs"], target_train_loss=s["target_train_loss"], callbacks=traced)
-        seconds = time.perf_counter() - t0
+        _, budget = train_run(model, loss, run["optimizer"], run["lr"], train[0], train[1], run["batch_size"],
+                              steps=s["steps"], epochs=s["epochs"], target_train_loss=s["target_train_loss"],
+                              callbacks=traced)
+        seconds = budget["seconds"]
         t1 = time.perf_counter()
         row = dict(run, b_over_eta=run["batch_size"] / run["lr"], backend=backend,
                    fingerprint=fingerprints[run["dataset"]], probe_data=s["probe_data"], label_noise_changed=changed,
