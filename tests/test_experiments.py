@@ -120,3 +120,21 @@ def test_results_file_drops_torn_and_incomplete_rows_and_refuses_other_columns(t
     with pytest.raises(ValueError, match="other columns"):
         ResultsFile(path, fields=["key", "value"])
     assert ResultsFile(path, fresh=True).rows == [] and not path.exists()
+
+
+@pytest.mark.parametrize("name", ["adamw", "sam@adamw", "llqrsam-kfac@adam"])
+def test_a_run_trains_with_any_registry_optimizer_for_its_step_budget(name):
+    from keras_geosam import datasets
+    from keras_geosam.experiments.run import initialised_mlp
+    from keras_geosam.experiments.run import train_run
+
+    (x, y), _, classes = datasets.load("digits")
+    model, loss = initialised_mlp(x.shape[1], classes, seed=0, width=8)
+    before = [np.array(w) for w in model.get_weights()]
+    _, budget = train_run(model, loss, name, 1e-3, x[:128], y[:128], 32, steps=6)
+    assert budget["steps"] == 6 and budget["seconds"] > 0
+    after = model.get_weights()
+    assert all(np.all(np.isfinite(w)) for w in after)
+    assert any(not np.array_equal(a, b) for a, b in zip(before, after))
+    again, _ = initialised_mlp(x.shape[1], classes, seed=0, width=8)  # the pool re-initialises
+    assert again is model and all(np.array_equal(a, b) for a, b in zip(before, again.get_weights()))
