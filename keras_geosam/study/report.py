@@ -250,8 +250,10 @@ def plot(rows, summary, path, gap="gap_loss"):
     if any(not int(r["valid"]) for r in rows):
         handles.append(plt.Line2D([], [], color=INVALID_COLOR, marker="o", ls="", label="collapsed (left out)"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=7, frameon=False)
-    fig.suptitle("Does sharpness predict generalisation? Bars: 2 stderr (none: exact); "
-                 "Kendall tau with the gap, [bootstrap interval]", fontsize=10)
+    sources = sorted({str(r.get("probe_data", "test")) for r in rows})
+    fig.suptitle("Does sharpness predict generalisation? Sharpness on " + "/".join(
+                 {"train": "training", "test": "test"}.get(p, p) for p in sources) + " examples; bars: 2 stderr "
+                 "(none: exact); Kendall tau with the gap [bootstrap interval], valid runs only", fontsize=10)
     fig.tight_layout(rect=(0, 0.04, 1, 0.97))
     fig.savefig(path, dpi=100)
     plt.close(fig)
