@@ -9,8 +9,8 @@ Description: A resumable grid of batch sizes, learning rates, optimizers and
     against B/eta.
 Accelerator: None (the `--full` grid wants a GPU)
 
-Run it with any Keras backend (the default small mode takes one to three
-minutes on 2 CPU cores):
+Run it with any Keras backend (the default small mode, 24 runs with
+trajectories, takes about four minutes on 2 CPU cores):
 
     KERAS_BACKEND=jax python guides/sharpness_generalisation.py
 
