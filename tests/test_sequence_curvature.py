@@ -143,6 +143,16 @@ def test_the_exact_part_under_each_metric_equals_its_dense_formula(case, metric)
     assert ref.rel_err(est.info["exact_part"], np.trace(Mi @ G)) <= 10 * tol
     assert est.info["exact_part_stderr"] == 0.0 and est.info["residual_exact"] is False
     assert est.info["residual"] == pytest.approx(est.value - est.info["exact_part"], rel=1e-12)
+    # Direction counts of the metric on attention: nonzero and zero Fisher
+    # add up to the parameters, nonzero covers the dense metric's rank (it
+    # also keeps directions at rounding level that each block's own cutoff
+    # keeps: 1 of 425 diagonal, 22 of 453 K-FAC here), and the damped
+    # inverse leaves out only the rounding-level key-bias block.
+    info = est.info
+    assert info["num_nonzero_fisher"] + info["num_zero_fisher"] == info["num_params"] == G.shape[0]
+    eig = np.linalg.eigvalsh(ref.to_numpy(M.to_dense()))
+    assert int(np.sum(eig > 1e-9 * eig.max())) <= info["num_nonzero_fisher"] < G.shape[0]
+    assert info["num_excluded"] == int(np.prod(model.trainable_variables[key_bias].shape))
     # the probed residual is unbiased: within 4 standard errors of tr(M^-1 (H - G))
     truth = np.trace(Mi @ (H - G))
     assert abs(est.info["residual"] - truth) <= 4 * est.info["residual_stderr"] + 1e-6 * abs(truth)

@@ -3,64 +3,31 @@
 import argparse
 
 
-def positive_int(text):
-    """An argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _number(cast, ok, rule):
+    """An argparse type: `text` cast by `cast` and accepted by `ok`."""
+
+    def parse(text):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if cast is int else 'a number'}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {value}")
+        return value
+
+    return parse
 
 
-def nonneg_int(text):
-    """An argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+positive_int = _number(int, lambda v: v >= 1, ">= 1")
+nonneg_int = _number(int, lambda v: v >= 0, ">= 0")
+positive_float = _number(float, lambda v: v > 0, "> 0")
+nonneg_float = _number(float, lambda v: v >= 0, ">= 0")
+fraction = _number(float, lambda v: 0 <= v <= 1, "in [0, 1]")
 
 
 def positive_ints(text):
     """An argparse type: comma-separated integers >= 1."""
     return [positive_int(t.strip()) for t in text.split(",") if t.strip()] or positive_int("")
-
-
-def positive_float(text):
-    """An argparse type: a number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def nonneg_float(text):
-    """An argparse type: a number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def fraction(text):
-    """An argparse type: a number in [0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return value
 
 
 def from_csv(text):
