@@ -1,24 +1,49 @@
-"""Argument checks shared by the optimizers and the preconditioner."""
+"""Argument validation: the one style of every public function and
+constructor.
+
+Each check returns the value in its canonical Python type, or raises
+``ValueError`` naming the argument, the rule and the bad value, as Keras
+does. ``allow_none`` lets ``None`` through unchanged (a documented default
+such as "no tolerance").
+"""
+
+import numbers
 
 
-def check_number(name, value, minimum=0.0, strict=False, below=None):
-    """`value` as a finite float >= `minimum` (> if `strict`; < `below`)."""
+def check_number(name, value, minimum=0.0, strict=False, below=None, allow_none=False):
+    """`value` as a finite float >= `minimum` (> if `strict`; < `below`).
+
+    Booleans are refused; strings that spell a number are taken, as
+    ``float`` does (a hyperparameter read from a config file)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}.")
     try:
         v = float(value)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a number, got {value!r}.") from None
-    if v != v or v in (float("inf"), float("-inf")) or v < minimum or (strict and v == minimum):
+    if v != v or v in (float("inf"), float("-inf")) or (minimum is not None and (v < minimum or (strict and v == minimum))):
         relation = ">" if strict else ">="
-        raise ValueError(f"{name} must be finite and {relation} {minimum}, got {value!r}.")
+        bound = "" if minimum is None else f" and {relation} {minimum}"
+        raise ValueError(f"{name} must be finite{bound}, got {value!r}.")
     if below is not None and v >= below:
         raise ValueError(f"{name} must be < {below}, got {value!r}.")
     return v
 
 
-def check_int(name, value, minimum=1):
-    """`value` as an int >= `minimum` (bools refused; NumPy integers taken)."""
-    import numpy as np
-
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+def check_int(name, value, minimum=1, allow_none=False):
+    """`value` as an int >= `minimum`: Python and NumPy integers only (a
+    float such as 1.5 or 2.0, or a bool, is refused, not truncated)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
     return int(value)
+
+
+def check_choice(name, value, choices):
+    """`value` if it is one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}.")
+    return value

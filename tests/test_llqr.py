@@ -279,7 +279,7 @@ def test_refresh_schedule_in_step_and_no_retrace():
 def host_log(monkeypatch):
     """``(decisions, reads)``: what the host's ``RefreshBounds.next_step``
     decided for each step and each step-counter value it read."""
-    from keras_geosam.optimizers.preconditioned import RefreshBounds
+    from keras_geosam.preconditioner.schedule import RefreshBounds
 
     decisions, reads = [], []
     stock = RefreshBounds.next_step

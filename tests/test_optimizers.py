@@ -188,15 +188,15 @@ def test_two_pass_perturbed_gradient_is_taken_at_theta_plus_eps(kind):
     r = kg_step.two_pass(model, opt, tv, ntv, mv, keras.ops.convert_to_tensor(x),
                          keras.ops.convert_to_tensor(y), None)
     expected = ref.two_pass_reference(MLP, kind, init, x, y, hp, {"m": [np.zeros_like(p) for p in init]})
-    g_c = [keras.ops.convert_to_numpy(g) for g in r["g_c"]]
-    g_p = [keras.ops.convert_to_numpy(g) for g in r["g_p"]]
+    g_c = [keras.ops.convert_to_numpy(g) for g in r.grads_centre]
+    g_p = [keras.ops.convert_to_numpy(g) for g in r.grads_perturbed]
     assert_weights_close(g_c, expected["g_c"], rtol=1e-5, atol=1e-7)
     assert_weights_close(g_p, expected["g_p"], rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(float(r["loss_c"]), expected["loss_c"], rtol=1e-6)
-    np.testing.assert_allclose(float(r["loss_p"]), expected["loss_p"], rtol=1e-6)
+    np.testing.assert_allclose(float(r.loss_centre), expected["loss_c"], rtol=1e-6)
+    np.testing.assert_allclose(float(r.loss_perturbed), expected["loss_p"], rtol=1e-6)
     assert max_abs_diff(g_p, g_c) > 1e-3
-    assert float(r["loss_p"]) > float(r["loss_c"])  # ascent step
-    assert bool(keras.ops.convert_to_numpy(r["finite"]))
+    assert float(r.loss_perturbed) > float(r.loss_centre)  # ascent step
+    assert bool(keras.ops.convert_to_numpy(r.finite))
     # Nothing was perturbed in place.
     assert_weights_close(ref.weights_of(model), init, rtol=0, atol=0)
 

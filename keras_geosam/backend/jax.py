@@ -2,6 +2,8 @@
 
 import jax
 
+from keras_geosam import keras_internals
+
 
 # XLA:CPU runs a convolution's kernel gradient about 11x slower inside a
 # while loop than unrolled (jax-ml/jax#12868): loops over convolutional
@@ -139,7 +141,7 @@ def distribute_batch(a):
 def wait_for_step(model):
     """Blocks until the steps queued by ``fit`` have run (Keras' JAX
     trainer keeps the newest state in ``model._jax_state`` during fit)."""
-    state = getattr(model, "_jax_state", None) or {}
+    state = keras_internals.jax_state(model)
     values = state.get("optimizer_variables") or [v.value for v in model.optimizer.variables]
     jax.block_until_ready(values)
 

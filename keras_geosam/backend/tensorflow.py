@@ -2,6 +2,8 @@
 
 import tensorflow as tf
 
+from keras_geosam import keras_internals
+
 _ZERO = tf.UnconnectedGradients.ZERO
 
 
@@ -42,7 +44,7 @@ def step_timer(model):
     and adding the difference to a variable ``read()`` returns. None under
     XLA (``jit_compile=True``: no timestamp op) or tf.distribute (the
     variable would need a replica-aware aggregation)."""
-    if getattr(model, "jit_compile", False) or tf.distribute.has_strategy() or getattr(model, "_distribute_strategy", None) is not None:
+    if getattr(model, "jit_compile", False) or tf.distribute.has_strategy() or keras_internals.distribute_strategy(model) is not None:
         return None
     with tf.init_scope():  # eager even when asked during a trace
         total = tf.Variable(0.0, dtype=tf.float64, trainable=False, name="geosam_step_timer")
@@ -137,7 +139,7 @@ def _exact_moments(fn):
     """
     import functools
 
-    from keras.src.backend.tensorflow import nn as keras_tf_nn
+    keras_tf_nn = keras_internals.tensorflow_nn()
 
     def moments(x, axes, keepdims=False):
         mean = tf.reduce_mean(x, axes, keepdims=True)
@@ -417,12 +419,19 @@ def _none(_):
     return tf.constant(0)
 
 
+def _strategy_of(model):
+    """`model`'s tf.distribute strategy, else the current one (None outside
+    every strategy)."""
+    strategy = keras_internals.distribute_strategy(model)
+    if strategy is None and tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+    return strategy
+
+
 def data_parallel_shards(model=None):
     """Replicas a global batch is split over: `model`'s tf.distribute
     strategy, else the current one (1 without one)."""
-    strategy = getattr(model, "_distribute_strategy", None)
-    if strategy is None and tf.distribute.has_strategy():
-        strategy = tf.distribute.get_strategy()
+    strategy = _strategy_of(model)
     return 1 if strategy is None else int(strategy.num_replicas_in_sync)
 
 
@@ -435,9 +444,7 @@ def sum_over_replicas(model, fn, x, y, offset):
     ``fn(x, y, offset, None)``."""
     import numpy as np
 
-    strategy = getattr(model, "_distribute_strategy", None)
-    if strategy is None and tf.distribute.has_strategy():
-        strategy = tf.distribute.get_strategy()
+    strategy = _strategy_of(model)
     n = int(tf.nest.flatten(x)[0].shape[0])
     replicas = 1 if strategy is None else int(strategy.num_replicas_in_sync)
     ctx = tf.distribute.get_replica_context()  # outside every scope: the default one

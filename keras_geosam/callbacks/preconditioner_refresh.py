@@ -4,7 +4,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_geosam.training.step import unwrap
+from keras_geosam._checks import check_int
+from keras_geosam.optimizers.base import unwrap
 
 
 class PreconditionerRefresh(keras.callbacks.Callback):
@@ -54,9 +55,7 @@ class PreconditionerRefresh(keras.callbacks.Callback):
         self.y = np.asarray(ops.convert_to_numpy(y))
         if len(self.x) != len(self.y):
             raise ValueError(f"x and y differ in length ({len(self.x)} vs {len(self.y)}).")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
-        self.batch_size = min(batch_size, len(self.x))
+        self.batch_size = min(check_int("batch_size", batch_size), len(self.x))
         self._rng = np.random.default_rng(seed)
         self._order, self._pos = self._rng.permutation(len(self.x)), 0
         self.num_refreshes = 0

@@ -6,6 +6,8 @@ import keras
 
 from keras_geosam import backend
 from keras_geosam._checks import check_number
+from keras_geosam.optimizers.base import unwrap
+from keras_geosam.optimizers.preconditioned import PreconditionedOptimizer
 
 
 class RefreshMonitor(keras.callbacks.Callback):
@@ -87,18 +89,12 @@ class RefreshMonitor(keras.callbacks.Callback):
         self._noticed = False
 
     def on_train_begin(self, logs=None):
-        from keras_geosam.optimizers.preconditioned import PreconditionedOptimizer
-        from keras_geosam.training.step import unwrap
-
         opt = unwrap(getattr(self.model, "optimizer", None))[0]
         self._optimizer = opt if isinstance(opt, PreconditionedOptimizer) else None
         if self._optimizer is None:
             return
-        base = opt.base_optimizer
-        self._k = int(base.gradient_accumulation_steps or 1)
-        # One read of the counters per fit; the host follows them from here.
-        self._step = int(keras.ops.convert_to_numpy(opt.iterations))
-        self._micro = int(keras.ops.convert_to_numpy(base._iterations)) % self._k if self._k > 1 else 0
+        # One read of the counter per fit; the host follows it from here.
+        self._count = int(keras.ops.convert_to_numpy(opt.refresh_counter))
         self._per_call = int(getattr(self.model, "steps_per_execution", 1) or 1)
         self.due_steps = 0
         self._kind = None  # what the interval since the last wait holds
@@ -113,15 +109,11 @@ class RefreshMonitor(keras.callbacks.Callback):
         self._clock_start, self._clock_count = clock.total(), clock.count
 
     def _due_and_advance(self):
-        pre = self._optimizer.preconditioner
-        due = False
-        for _ in range(self._per_call):
-            if self._micro == 0 and self._step % pre.refresh_every == 0:
-                if pre.refresh_until is None or self._step < pre.refresh_until:
-                    due = True
-            self._micro = (self._micro + 1) % self._k
-            if self._micro == 0:
-                self._step += 1
+        """Whether the coming call (``steps_per_execution`` micro-batches)
+        holds a due step, by U's schedule on the followed counter."""
+        schedule = self._optimizer.preconditioner.schedule
+        due = any(schedule.due_at(self._count + i) for i in range(self._per_call))
+        self._count += self._per_call
         return due
 
     def _wait(self):

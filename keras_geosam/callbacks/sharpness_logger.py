@@ -1,14 +1,15 @@
 """SharpnessLogger: sharpness measures, with their standard errors, in ``logs``."""
 
 import math
-import sys
 import time
 import warnings
 
 import keras
 
+from keras_geosam import keras_internals
 from keras_geosam import sharpness
 from keras_geosam._checks import check_int
+from keras_geosam._checks import check_number
 from keras_geosam.curvature.functional import check_data
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.losses import require_classifier
@@ -122,8 +123,7 @@ class SharpnessLogger(keras.callbacks.Callback):
             raise ValueError("metrics must name at least one metric.")
         for name, value in (("every_n_epochs", every_n_epochs), ("num_probes", num_probes), ("max_probes", max_probes)):
             check_int(name, value)
-        if rtol is not None and not rtol > 0:
-            raise ValueError(f"rtol must be > 0 or None, got {rtol!r}.")
+        rtol = check_number("rtol", rtol, 0.0, strict=True, allow_none=True)
         options = dict(options or {})
         stray = [k for k in options if k not in metrics]
         if stray:
@@ -174,16 +174,13 @@ class SharpnessLogger(keras.callbacks.Callback):
 
     def _move_to_front(self):
         """Moves this callback to the front of the running CallbackList."""
-        frame = sys._getframe(1)
-        for _ in range(4):
-            holder = frame.f_locals.get("self") if frame is not None else None
-            if isinstance(holder, keras.callbacks.CallbackList) and self in holder.callbacks:
-                callbacks = holder.callbacks
-                # Safe while the list iterates over us: we leave index i, the
-                # callbacks after us keep their positions.
-                callbacks.insert(0, callbacks.pop(callbacks.index(self)))
-                return
-            frame = frame.f_back if frame is not None else None
+        holder = keras_internals.running_callback_list(self)
+        if holder is not None:
+            callbacks = holder.callbacks
+            # Safe while the list iterates over us: we leave index i, the
+            # callbacks after us keep their positions.
+            callbacks.insert(0, callbacks.pop(callbacks.index(self)))
+            return
         warnings.warn(
             "SharpnessLogger could not find Keras' callback list: callbacks placed before it "
             "in `callbacks=[...]` will not see its keys. Put it first.",

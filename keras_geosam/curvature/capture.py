@@ -28,12 +28,12 @@ bounded by ``max_elements``.
 """
 
 import contextlib
-import functools
 
 import keras
 import numpy as np
 from keras import ops
 
+from keras_geosam.curvature.kernels import KernelCache
 from keras_geosam import backend
 from keras_geosam.curvature.layers import KFAC_APPROXIMATIONS
 from keras_geosam.curvature.layers import MAX_ELEMENTS
@@ -51,13 +51,10 @@ class Capture:
         self.uncovered = [i for i, v in enumerate(fns.variables) if id(v) not in covered]
         self.kfac_rules = [r for r in self.rules if r.kernel is not None]
         self._call_shapes = {}
-        self._kernels = {}
+        self._kernels = KernelCache()
 
     def _kernel(self, body, **static):
-        key = (body,) + tuple(sorted(static.items()))
-        if key not in self._kernels:
-            self._kernels[key] = backend.compile(functools.partial(getattr(self, body), **static))
-        return self._kernels[key]
+        return self._kernels.get(body, **static)
 
     # -------------------------------------------------- instrumentation ----
     @contextlib.contextmanager
@@ -154,14 +151,13 @@ class Capture:
         static = dict(kind=kind, num_samples=int(num_samples))
         out = {"diag": {}, "A": [], "B": [], "rows": [], "quad": {}, "R": {}}
         if self.rules:
-            kernel = self._kernel(
-                "body_statistics", kernel_diag=tuple(sorted(kernel_diag)), other_diag=bool(other_diag),
+            kernel = self._kernel(self.body_statistics, kernel_diag=tuple(sorted(kernel_diag)), other_diag=bool(other_diag),
                 factors=bool(factors), quad=quad, shapes=_freeze(self.call_shapes(x)), gram=tuple(sorted(gram)),
                 approximation=approximation if factors else "expand", **static,
             )
             out = kernel(params, nt, x, y, key, offset, [bases[q] for q in quad], sw)
         if other_diag and self.uncovered:
-            extra = self._kernel("body_uncovered", **static)(params, nt, x, y, key, offset, sw)
+            extra = self._kernel(self.body_uncovered, **static)(params, nt, x, y, key, offset, sw)
             out["diag"] = {**out["diag"], **extra}
         return out
 
@@ -169,7 +165,7 @@ class Capture:
         """Per-example gradients of each example's own (weighted) mean loss
         over its positions, ``{variable index: (N,) + shape}``, for covered
         variables only (see ``uncovered``)."""
-        return self._kernel("body_per_example", shapes=_freeze(self.call_shapes(x)))(params, nt, x, y, sw)
+        return self._kernel(self.body_per_example, shapes=_freeze(self.call_shapes(x)))(params, nt, x, y, sw)
 
     # Bodies of the compiled kernels (ModelFunctions compiles them).
     def _pullback(self, params, nt, x, shapes, output):
@@ -305,7 +301,7 @@ class Capture:
         """``J_n^T c_jn`` for every output factor j and example n: a list like
         the variables of ``(k, N) + shape`` tensors (small models: dense
         matrices are built from them)."""
-        return self._kernel("body_factor_gradients", kind=kind, num_samples=int(num_samples))(params, nt, x, y, key, offset, sw)
+        return self._kernel(self.body_factor_gradients, kind=kind, num_samples=int(num_samples))(params, nt, x, y, key, offset, sw)
 
     def body_factor_gradients(self, params, nt, x, y, key, offset, sw, *, kind, num_samples):
         everything = list(range(len(params)))

@@ -7,18 +7,25 @@ kernels (loss and gradient, HVP, GGN-vector product, per-example gradients)
 are compiled once per model and loss and reused across probes and batches.
 """
 
-import functools
 import weakref
 
 import keras
 import numpy as np
 from keras import ops
 
+from keras_geosam import keras_internals
+from keras_geosam.curvature.kernels import KernelCache
 from keras_geosam import backend
 from keras_geosam.curvature import probes as _probes
 from keras_geosam.curvature.losses import require_classifier
 from keras_geosam.curvature.losses import require_gauss_newton
 from keras_geosam.curvature.losses import resolve_loss
+from keras_geosam.curvature.data import batches  # noqa: F401  (kept importable here)
+from keras_geosam.curvature.data import input_arrays
+from keras_geosam.curvature.data import num_examples
+from keras_geosam.curvature.weights import check_label_shape
+from keras_geosam.curvature.weights import output_mask
+from keras_geosam.curvature.weights import output_shape
 
 _CACHE = weakref.WeakKeyDictionary()
 
@@ -70,7 +77,7 @@ class ModelFunctions:
         self.include_regularization = include_regularization
         self.variables = list(model.trainable_variables)
         self.paths = [v.path for v in self.variables]
-        self._kernels = {}
+        self._kernels = KernelCache()
 
     # ----------------------------------------------------------- state ----
     def params(self):
@@ -103,7 +110,7 @@ class ModelFunctions:
     def outputs(self, params, nt, x):
         # stateless_call reaches call() directly: pass `training` only if
         # the model's call takes it.
-        kwargs = {"training": self.training} if self.model._call_has_training_arg else {}
+        kwargs = {"training": self.training} if keras_internals.call_has_training_arg(self.model) else {}
         out = self.model.stateless_call(params, nt, x, return_losses=True, **kwargs)
         y_pred, _, losses = out
         if isinstance(y_pred, (list, tuple, dict)):
@@ -122,10 +129,15 @@ class ModelFunctions:
         y_pred, losses = self.outputs(params, nt, x)
         values = self.spec.per_example(y, y_pred)
         value = mean(values) if sw is None else ops.sum(values * ops.cast(sw, values.dtype))
-        if self.include_regularization and losses:
-            reg = ops.sum(ops.stack([ops.cast(l, value.dtype) for l in losses]))
-            value = value + (reg if sw is None else reg * ops.sum(ops.cast(sw, value.dtype)))
-        return value
+        return value + self._regularisation(losses, value.dtype, sw)
+
+    def _regularisation(self, losses, dtype, sw):
+        """The regularisers' share of a batch: their sum, times ``sum(sw)``
+        when `sw` splits the whole data's weight (0 when excluded)."""
+        if not (self.include_regularization and losses):
+            return ops.cast(0.0, dtype)
+        reg = ops.sum(ops.stack([ops.cast(l, dtype) for l in losses]))
+        return reg if sw is None else reg * ops.sum(ops.cast(sw, dtype))
 
     def log_probs(self, params, nt, x):
         require_classifier(self.spec, "This quantity")
@@ -296,33 +308,34 @@ class ModelFunctions:
         value = ops.sum(ops.expand_dims(s2, -1) * r * z)
         if sw is None:
             value = value / ops.cast(ops.shape(z)[0], z.dtype)
-        if self.include_regularization and losses:
-            reg = ops.sum(ops.stack([ops.cast(l, value.dtype) for l in losses]))
-            value = value + (reg if sw is None else reg * ops.sum(ops.cast(sw, value.dtype)))
-        return value
+        return value + self._regularisation(losses, value.dtype, sw)
 
     # ------------------------------------------------------ kernels ----
-    def kernel(self, name, **static):
-        """Compiled per-batch kernel `name` (with static options), built once."""
-        key = (name,) + tuple(sorted(static.items()))
-        if key not in self._kernels:
-            fn = getattr(self, "_k_" + name)
-            self._kernels[key] = backend.compile(functools.partial(fn, **static) if static else fn)
-        return self._kernels[key]
+    def kernel(self, body, **static):
+        """A per-batch body (``self.<name>_body``) compiled with its static
+        options, built once. (A name string, the old form, still works and
+        warns.)"""
+        if isinstance(body, str):
+            import warnings
 
-    def _k_hvp_batched(self, params, nt, vectors, x, y, sw=None):
+            warnings.warn(f"ModelFunctions.kernel({body!r}) is deprecated: pass the body, "
+                          f"kernel(fns.{body}_body).", DeprecationWarning, stacklevel=2)
+            body = getattr(self, body + "_body")
+        return self._kernels.get(body, **static)
+
+    def hvp_batched_body(self, params, nt, vectors, x, y, sw=None):
         return backend.hvp_batched(self.loss, params, vectors, nt, x, y, sw)
 
-    def _k_ggn_batched(self, params, nt, vectors, x, y, key, offset, kind="exact", num_samples=1, sw=None):
+    def ggn_batched_body(self, params, nt, vectors, x, y, key, offset, kind="exact", num_samples=1, sw=None):
         return backend.hvp_batched(self.ggn_surrogate_of, params, vectors, nt, x, y, key, offset, kind, num_samples, sw)
 
-    def _k_residual_batched(self, params, nt, vectors, x, y, sw=None):
+    def residual_batched_body(self, params, nt, vectors, x, y, sw=None):
         return backend.hvp_batched(self.residual_surrogate, params, vectors, nt, x, y, sw)
 
-    def _k_loss_and_grad(self, params, nt, x, y, sw=None):
+    def loss_and_grad_body(self, params, nt, x, y, sw=None):
         return backend.value_and_grad(self.loss, params, nt, x, y, sw)
 
-    def _k_per_example_grads(self, params, nt, x, y, sw=None):
+    def per_example_grads_body(self, params, nt, x, y, sw=None):
         # Each example's own (weighted) mean loss over its positions.
         def f(p, xi, yi, wi):
             y_pred, _ = self.outputs(p, nt, xi)
@@ -337,15 +350,13 @@ class ModelFunctions:
             return backend.per_example_grads(lambda p, xi, yi: f(p, xi, yi, None), params, x, y)
         return backend.per_example_grads(f, params, x, y, sw)
 
-    def _k_per_example_nll_grads(self, params, nt, x, labels):
+    def per_example_nll_grads_body(self, params, nt, x, labels):
         return backend.per_example_grads(lambda p, xi, li: self.nll(p, nt, xi, li), params, x, labels)
 
-    def _k_probs(self, params, nt, x):
+    def probs_body(self, params, nt, x):
         return ops.exp(self.log_probs(params, nt, x))
 
-    def _k_output_mask(self, params, nt, x):
-        from keras_geosam.curvature.weights import output_mask
-
+    def output_mask_body(self, params, nt, x):
         y_pred, _ = self.outputs(params, nt, x)
         mask = output_mask(y_pred)
         shape = ops.shape(y_pred)[:-1]
@@ -463,9 +474,6 @@ def check_labels(fns, x, y):
     a sequence model's labels have its positions), and integer labels of a
     sparse cross-entropy must lie in [0, classes): outside it some backends
     return numbers (JAX gathers clamp)."""
-    from keras_geosam.curvature.weights import check_label_shape
-    from keras_geosam.curvature.weights import output_shape
-
     check_label_shape(fns, x, y)
     if y is None or not (fns.spec.classifier and fns.spec.sparse):
         return
@@ -478,48 +486,6 @@ def check_labels(fns, x, y):
     low, high = labels.min(), labels.max()
     if low < 0 or high >= classes:
         raise ValueError(f"Labels must lie in [0, {classes}) for this {classes}-class model; got values in [{low}, {high}].")
-
-
-def input_arrays(x):
-    """The arrays of `x`: one array, or a list, tuple or dict of them (a
-    keras-hub model's named inputs)."""
-    return keras.tree.flatten(x)
-
-
-def rows_of(x, start, stop):
-    """Examples ``start:stop`` of `x` (an array or a structure of them)."""
-    return keras.tree.map_structure(lambda a: a[start:stop], x)
-
-
-def num_examples(x):
-    return int(ops.shape(input_arrays(x)[0])[0])
-
-
-def batches(x, y=None, batch_size=None):
-    """Yields `(x_b, y_b, n_b)` slices of at most `batch_size` examples."""
-    n = num_examples(x)
-    if n == 0:
-        raise ValueError("Empty data: at least one example is needed.")
-    if batch_size is None:
-        batch_size = n
-    batch_size = int(batch_size)
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
-    for start in range(0, n, batch_size):
-        stop = min(start + batch_size, n)
-        xb = _slice(x, start, stop)
-        yb = None if y is None else _slice(y, start, stop)
-        yield xb, yb, stop - start
-
-
-def _slice(a, start, stop):
-    # Split over the devices of an active distribution (JAX): every
-    # compiled kernel then runs data-parallel.
-    return keras.tree.map_structure(lambda e: backend.distribute_batch(e[start:stop]), a)
-
-
-def to_numpy_list(tensors):
-    return [np.asarray(ops.convert_to_numpy(t)) for t in tensors]
 
 
 def progbar(total, verbose, name):

@@ -49,6 +49,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_geosam import keras_internals
+
 _CONV = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
 
 # Largest intermediate (in elements) a chunk may create: 4 MB in float32,
@@ -478,7 +480,7 @@ def rule_for(layer, training=False):
     if isinstance(layer, _CONV) and getattr(layer, "groups", 1) == 1 and type(layer).call in _CONV_CALLS:
         return ConvRule(layer)
     if isinstance(layer, keras.layers.EinsumDense) and type(layer).call is keras.layers.EinsumDense.call:
-        shape = getattr(layer, "_build_shapes_dict", None) or {}
+        shape = keras_internals.built_input_shapes(layer)
         rank = len(next(iter(shape.values()))) if shape else None
         if rank is not None and EinsumDenseRule.roles(layer, rank) is not None:
             return EinsumDenseRule(layer)
@@ -559,7 +561,7 @@ def _squared_gradients(a, d):
 def leaf_layers(model):
     """Every layer of `model` that holds no other layers (nested models and
     containers such as MultiHeadAttention are walked into)."""
-    return [layer for layer in model._flatten_layers(include_self=False) if not list(layer._flatten_layers(include_self=False))]
+    return [layer for layer in keras_internals.flatten_layers(model) if not keras_internals.flatten_layers(layer)]
 
 
 # Every Keras convolution (their kernel gradients are what XLA:CPU runs
@@ -576,7 +578,7 @@ def is_convolutional(model):
     """Whether `model` is a convolutional network: a convolution with
     trainable weights and no attention layer (a ViT, whose one convolution
     cuts the patches, is not)."""
-    layers = list(model._flatten_layers(include_self=False))
+    layers = keras_internals.flatten_layers(model)
     if any(isinstance(layer, keras.layers.MultiHeadAttention) for layer in layers):
         return False
     return any(isinstance(layer, CONVOLUTIONS) and layer.trainable_variables for layer in leaf_layers(model))

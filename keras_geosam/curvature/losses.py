@@ -12,6 +12,8 @@ import dataclasses
 import keras
 from keras import ops
 
+from keras_geosam import keras_internals
+
 _CLASSIFIER_FNS = {
     "sparse_categorical_crossentropy": True,
     "categorical_crossentropy": False,
@@ -115,7 +117,7 @@ def resolve_loss(model, loss=None):
         loss = obj
     if isinstance(loss, keras.losses.Loss):
         fn = getattr(loss, "fn", None)
-        kwargs = dict(getattr(loss, "_fn_kwargs", {}) or {})
+        kwargs = keras_internals.loss_fn_kwargs(loss)
         fn_name = getattr(fn, "__name__", type(loss).__name__)
         per_example = loss.call
     elif callable(loss):

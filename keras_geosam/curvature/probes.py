@@ -13,13 +13,12 @@ Streams keep unrelated draws apart: Hutchinson probes, Lanczos start
 vectors, Hutch++ sketches and Monte-Carlo labels each have their own.
 """
 
-import functools
 
 import keras
 import numpy as np
 from keras import ops
 
-from keras_geosam import backend
+from keras_geosam.curvature.kernels import KernelCache
 
 STREAMS = {"hutchinson": 1, "lanczos": 2, "sketch": 3, "labels": 4, "exact-part": 5}
 
@@ -93,7 +92,7 @@ def _rademacher_body(k, start, *, count, shapes, dtype):
     return out
 
 
-_COMPILED = {}
+_KERNELS = KernelCache()
 
 
 def rademacher(seed, start, count, shapes, dtype, stream="hutchinson"):
@@ -102,12 +101,8 @@ def rademacher(seed, start, count, shapes, dtype, stream="hutchinson"):
     layout)."""
     shapes = tuple(tuple(int(d) for d in s) for s in shapes)
     dtype = keras.backend.standardize_dtype(dtype)
-    cache_key = (shapes, int(count), dtype)
-    if cache_key not in _COMPILED:
-        _COMPILED[cache_key] = backend.compile(
-            functools.partial(_rademacher_body, count=int(count), shapes=shapes, dtype=dtype)
-        )
-    return list(_COMPILED[cache_key](key(seed, stream), ops.convert_to_tensor(int(start), dtype="int32")))
+    kernel = _KERNELS.get(_rademacher_body, count=int(count), shapes=shapes, dtype=dtype)
+    return list(kernel(key(seed, stream), ops.convert_to_tensor(int(start), dtype="int32")))
 
 
 def uniform(seed, rows, cols, dtype="float32", stream="labels"):

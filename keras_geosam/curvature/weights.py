@@ -31,35 +31,40 @@ computation, unchanged).
 import numpy as np
 from keras import ops
 
+from keras_geosam import keras_internals
+from keras_geosam import backend
+from keras_geosam.curvature.data import DEFAULT_BATCH_SIZE
+from keras_geosam.curvature.data import batches
+from keras_geosam.curvature.data import input_arrays
+from keras_geosam.curvature.data import rows_of
 
-def output_shape(fns, x):
-    """Shape of the model's outputs for `x` (computed once per input shape
-    from a single example, then the example axis set to ``len(x)``)."""
-    from keras_geosam.curvature.functional import input_arrays
-    from keras_geosam.curvature.functional import rows_of
 
-    first = rows_of(x, 0, 1)
+def first_example(fns, x):
+    """``(output shape without the example axis, emits a mask, has
+    regularisation losses)`` of the model on `x`: one forward on its first
+    example, once per input shape."""
     key = _input_key(x)
     cache = fns.__dict__.setdefault("_output_shapes", {})
     if key not in cache:
-        y_pred, _ = fns.outputs(fns.params(), fns.non_trainable(), first)
-        mask = output_mask(y_pred)
-        cache[key] = (tuple(int(d) for d in ops.shape(y_pred)[1:]), mask is not None)
-    shape, _ = cache[key]
+        y_pred, losses = fns.outputs(fns.params(), fns.non_trainable(), rows_of(x, 0, 1))
+        cache[key] = (tuple(int(d) for d in ops.shape(y_pred)[1:]), output_mask(y_pred) is not None, bool(losses))
+    return cache[key]
+
+
+def output_shape(fns, x):
+    """Shape of the model's outputs for `x` (from :func:`first_example`,
+    the example axis set to ``len(x)``)."""
     n = int(ops.shape(input_arrays(x)[0])[0])
-    return (n,) + shape
+    return (n,) + first_example(fns, x)[0]
 
 
 def _input_key(x):
-    from keras_geosam.curvature.functional import input_arrays
-
     return tuple(tuple(int(d) for d in ops.shape(t)[1:]) for t in input_arrays(x))
 
 
 def emits_mask(fns, x):
     """Whether the model attaches a Keras mask to its outputs for `x`."""
-    output_shape(fns, x)
-    return fns._output_shapes[_input_key(x)][1]
+    return first_example(fns, x)[1]
 
 
 def output_mask(y_pred):
@@ -68,9 +73,7 @@ def output_mask(y_pred):
     Keras keeps it as the ``_keras_mask`` attribute of the output tensor
     (or in a table by id where a tensor takes no attributes); no public API
     reads it. Checked against keras 3.12-3.15."""
-    from keras.src.backend.common.masking import get_keras_mask
-
-    return get_keras_mask(y_pred)
+    return keras_internals.keras_mask(y_pred)
 
 
 def positions(shape):
@@ -107,15 +110,13 @@ def resolve(fns, x, y, sample_weight, batch_size):
     array shaped like the per-token losses, or None when every token counts
     once. The model's mask is computed by forward passes over `x` in
     `batch_size` pieces, only when the model emits one."""
-    from keras_geosam.curvature.functional import batches
-
     out = output_shape(fns, x)
     n, pos = out[0], positions(out)
     weights = None
     if sample_weight is not None:
         weights = _check_sample_weight(sample_weight, n, pos)
     if emits_mask(fns, x):
-        kernel = fns.kernel("output_mask")
+        kernel = fns.kernel(fns.output_mask_body)
         parts = [np.asarray(ops.convert_to_numpy(kernel(fns.params(), fns.non_trainable(), xb)), "float64")
                  for xb, _, _ in batches(x, None, batch_size)]
         mask = np.concatenate(parts, axis=0).reshape((n,) + pos)
@@ -152,9 +153,7 @@ def batch_slices(weights, n, batch_size, dtype):
     """The slices of `weights` matching ``functional.batches(x, y,
     batch_size)``, as tensors of `dtype` (None for each batch without
     weights)."""
-    from keras_geosam import backend
-
-    size = n if batch_size is None else int(batch_size)
+    size = DEFAULT_BATCH_SIZE if batch_size is None else int(batch_size)
     for start in range(0, n, size):
         stop = min(start + size, n)
         yield None if weights is None else backend.distribute_batch(weights[start:stop].astype(dtype))

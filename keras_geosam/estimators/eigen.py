@@ -20,11 +20,12 @@ import numpy as np
 import scipy.linalg
 from keras import ops
 
+from keras_geosam._checks import check_int
+from keras_geosam._checks import check_number
 from keras_geosam.curvature import probes
 from keras_geosam.curvature.operators.base import flatten
 from keras_geosam.curvature.operators.base import unflatten
 from keras_geosam.estimators.estimate import Estimate
-from keras_geosam.estimators.trace import check_positive_int
 
 DEFAULT_MAX_MEMORY = 1 << 30
 
@@ -77,9 +78,8 @@ def lanczos(op, max_iter=100, tol=1e-3, seed=0, max_memory=DEFAULT_MAX_MEMORY, b
     >>> np.abs(keras.ops.convert_to_numpy(est.info["eigenvector"][0])).round(3).tolist()
     [0.0, 0.0, 1.0]
     """
-    max_iter = check_positive_int("max_iter", max_iter)
-    if not tol > 0:
-        raise ValueError(f"tol must be > 0, got {tol!r}.")
+    max_iter = check_int("max_iter", max_iter)
+    tol = check_number("tol", tol, 0.0, strict=True)
     dim = op.dim
     steps = min(max_iter, dim)
     np_dtype = np.dtype(keras.backend.standardize_dtype(op.dtype))

@@ -19,8 +19,9 @@ import warnings
 import numpy as np
 from keras import ops
 
-from keras_geosam import backend
+from keras_geosam.curvature.kernels import KernelCache
 from keras_geosam._checks import check_int
+from keras_geosam._checks import check_number
 from keras_geosam.curvature import probes
 from keras_geosam.curvature.operators.base import flatten
 from keras_geosam.curvature.operators.base import per_tensor_inner
@@ -32,19 +33,13 @@ from keras_geosam.estimators.estimate import from_samples
 MAX_BLOCK_ELEMENTS = 1 << 25
 
 
-def check_positive_int(name, value):
-    return check_int(name, value, 1)
-
-
-_INNER = {}
+_KERNELS = KernelCache()
 
 
 def _inner(z, w):
     """Compiled per-tensor inner products (one kernel, not one op per tensor)."""
-    key = tuple(tuple(int(d) for d in ops.shape(t)) for t in z)
-    if key not in _INNER:
-        _INNER[key] = backend.compile(per_tensor_inner)
-    return _INNER[key](z, w)
+    shapes = tuple(tuple(int(d) for d in ops.shape(t)) for t in z)
+    return _KERNELS.get(per_tensor_inner, key=shapes)(z, w)
 
 
 def _block_size(op):
@@ -96,11 +91,10 @@ def hutchinson(op, num_probes=10, rtol=None, max_probes=200, seed=0, shift=0.0, 
     >>> kg.estimators.hutchinson(A, num_probes=10, seed=0)
     Estimate(value=5.2, stderr=0.533, num_samples=10)
     """
-    num_probes = check_positive_int("num_probes", num_probes)
-    if rtol is not None and not rtol > 0:
-        raise ValueError(f"rtol must be > 0, got {rtol!r}.")
+    num_probes = check_int("num_probes", num_probes)
+    rtol = check_number("rtol", rtol, 0.0, strict=True, allow_none=True)
     if rtol is not None:
-        max_probes = max(check_positive_int("max_probes", max_probes), num_probes)
+        max_probes = max(check_int("max_probes", max_probes), num_probes)
     paths = [str(i) for i in range(len(op.shapes))] if paths is None else list(paths)
     rows = np.zeros((0, len(op.shapes)))
     while True:
@@ -156,7 +150,7 @@ def hutchpp(op, num_matvecs=30, seed=0, shift=0.0, paths=None):
     >>> kg.estimators.hutchpp(A, num_matvecs=6)  # the sketch spans this small space
     Estimate(value=4, stderr=0, num_samples=2)
     """
-    num_matvecs = check_positive_int("num_matvecs", num_matvecs)
+    num_matvecs = check_int("num_matvecs", num_matvecs)
     k = max(1, num_matvecs // 3)
     if k < 2:
         raise ValueError("hutchpp needs num_matvecs >= 6 (two probes per stage).")

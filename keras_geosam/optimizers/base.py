@@ -25,7 +25,6 @@ import keras
 from keras import ops
 
 from keras_geosam import backend
-from keras_geosam._checks import check_number
 
 _ATTACH_HINT = (
     "{name} is a two-pass optimizer: it needs the loss at perturbed weights, "
@@ -181,7 +180,7 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
         return self.sparse_gradients and linear
 
     # ---------------------------------------------------------- hooks ----
-    # Whether prepare_step can do work; then ``refresh_bounds`` (host-side
+    # Whether prepare_step can do work; then ``preconditioner.schedule`` (host-side
     # bounds on the step counter) tells which steps may skip it.
     prepares_steps = False
 
@@ -231,10 +230,6 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
         return perturbed_grads
 
     # ------------------------------------------------------- plumbing ----
-    @staticmethod
-    def check_hyperparameter(name, value, minimum=0.0, strict=False):
-        return check_number(name, value, minimum, strict)
-
     def own_variable(self, reference, name, initializer="zeros"):
         return self.add_variable_from_reference(reference, name, initializer=initializer)
 
@@ -249,7 +244,7 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
 
     @property
     def variables(self):
-        return self._variables + self.base_optimizer.variables
+        return super().variables + self.base_optimizer.variables
 
     @property
     def learning_rate(self):
@@ -295,3 +290,12 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
             config["base_optimizer"], custom_objects=custom_objects
         )
         return cls(**config)
+
+
+def unwrap(optimizer):
+    """``(two_pass_optimizer or None, loss_scale_optimizer or None)`` of a
+    compiled optimizer (a two-pass one may sit inside a LossScaleOptimizer)."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        inner = optimizer.inner_optimizer
+        return (inner if isinstance(inner, TwoPassOptimizer) else None), optimizer
+    return (optimizer if isinstance(optimizer, TwoPassOptimizer) else None), None

@@ -5,6 +5,7 @@ from keras import ops
 
 from keras_geosam import backend
 from keras_geosam.optimizers.base import TwoPassOptimizer
+from keras_geosam._checks import check_number
 
 
 @keras.saving.register_keras_serializable(package="keras_geosam")
@@ -52,8 +53,8 @@ class FisherSAM(TwoPassOptimizer):
 
     def __init__(self, base_optimizer, rho=0.05, eta=0.1, bn_stats="centre", dropout="fresh", perturbation="global", name="FisherSAM", **kwargs):
         super().__init__(base_optimizer, bn_stats=bn_stats, dropout=dropout, perturbation=perturbation, name=name, **kwargs)
-        self.rho = self.check_hyperparameter("rho", rho)
-        self.eta = self.check_hyperparameter("eta", eta, strict=True)
+        self.rho = check_number("rho", rho)
+        self.eta = check_number("eta", eta, strict=True)
 
     def scaled_perturbation(self, centre_grads, values):
         w = [g / (g * g + self.eta) for g in centre_grads]

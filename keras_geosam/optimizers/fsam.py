@@ -5,7 +5,21 @@ from keras import ops
 
 from keras_geosam import backend
 from keras_geosam.optimizers.base import TwoPassOptimizer
+from keras_geosam._checks import check_number
 
+
+
+def trend_removed(grads, average, sigma):
+    """F-SAM's ascent direction ``g - sigma m``: the gradient less `sigma`
+    times its trend ``m`` (an EMA of past centre gradients)."""
+    return [backend.add_scaled(g, ops.cast(m, g.dtype), -sigma) for g, m in zip(grads, average)]
+
+
+def update_trend(average, grads, momentum):
+    """``m <- b m + (1 - b) g`` on the trend's variables (a sparse `g` is
+    scattered into the dense average)."""
+    for m, g in zip(average, grads):
+        m.assign(backend.add_scaled(momentum * m, ops.cast(g, m.dtype), 1.0 - momentum))
 
 @keras.saving.register_keras_serializable(package="keras_geosam")
 class FSAM(TwoPassOptimizer):
@@ -55,11 +69,9 @@ class FSAM(TwoPassOptimizer):
 
     def __init__(self, base_optimizer, rho=0.05, sigma=1.0, momentum=0.9, bn_stats="centre", dropout="fresh", perturbation="global", name="FSAM", **kwargs):
         super().__init__(base_optimizer, bn_stats=bn_stats, dropout=dropout, perturbation=perturbation, name=name, **kwargs)
-        self.rho = self.check_hyperparameter("rho", rho)
-        self.sigma = self.check_hyperparameter("sigma", sigma)
-        self.momentum = self.check_hyperparameter("momentum", momentum)
-        if self.momentum >= 1.0:
-            raise ValueError(f"momentum must be < 1, got {momentum!r}.")
+        self.rho = check_number("rho", rho)
+        self.sigma = check_number("sigma", sigma)
+        self.momentum = check_number("momentum", momentum, below=1.0)
 
     # d = g - sigma m and the EMA scatter a sparse g into the dense average.
     sparse_gradients = True
@@ -68,14 +80,12 @@ class FSAM(TwoPassOptimizer):
         self._average = [self.own_variable(v, "grad_average") for v in var_list]
 
     def scaled_perturbation(self, centre_grads, values):
-        d = [backend.add_scaled(g, ops.cast(m, g.dtype), -self.sigma) for g, m in zip(centre_grads, self._average)]
+        d = trend_removed(centre_grads, self._average, self.sigma)
         norm = ops.sqrt(backend.vdot(d, d) + 1e-12)
         return self.rho / norm, d
 
     def update_state(self, centre_grads, perturbed_grads):
-        b = self.momentum
-        for m, g in zip(self._average, centre_grads):
-            m.assign(backend.add_scaled(b * m, ops.cast(g, m.dtype), 1.0 - b))
+        update_trend(self._average, centre_grads, self.momentum)
 
     def get_config(self):
         config = super().get_config()

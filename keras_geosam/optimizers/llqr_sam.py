@@ -4,7 +4,11 @@ import keras
 from keras import ops
 
 from keras_geosam import backend
+from keras_geosam.optimizers.fsam import trend_removed
+from keras_geosam.optimizers.fsam import update_trend
 from keras_geosam.optimizers.preconditioned import PreconditionedOptimizer
+from keras_geosam._checks import check_int
+from keras_geosam._checks import check_number
 
 NORMS = ("euclidean", "metric")
 ASCENTS = ("sam", "fsam")
@@ -89,20 +93,16 @@ class LLQRSAM(PreconditionedOptimizer):
             base_optimizer, structure=structure, divergence=divergence, refresh_every=refresh_every,
             bn_stats=bn_stats, dropout=dropout, perturbation=perturbation, name=name, **kwargs,
         )
-        self.rho = self.check_hyperparameter("rho", rho)
+        self.rho = check_number("rho", rho)
         if norm not in NORMS:
             raise ValueError(f"norm must be one of {NORMS}, got {norm!r}.")
         if ascent not in ASCENTS:
             raise ValueError(f"ascent must be one of {ASCENTS}, got {ascent!r}.")
-        if isinstance(sam_start_step, bool) or not isinstance(sam_start_step, int) or sam_start_step < 0:
-            raise ValueError(f"sam_start_step must be an integer >= 0, got {sam_start_step!r}.")
         self.norm = norm
         self.ascent = ascent
-        self.sam_start_step = sam_start_step
-        self.fsam_sigma = self.check_hyperparameter("fsam_sigma", fsam_sigma)
-        self.fsam_momentum = self.check_hyperparameter("fsam_momentum", fsam_momentum)
-        if self.fsam_momentum >= 1:
-            raise ValueError(f"fsam_momentum must be < 1, got {fsam_momentum!r}.")
+        self.sam_start_step = check_int("sam_start_step", sam_start_step, 0)
+        self.fsam_sigma = check_number("fsam_sigma", fsam_sigma)
+        self.fsam_momentum = check_number("fsam_momentum", fsam_momentum, below=1.0)
 
     def build_state(self, var_list):
         super().build_state(var_list)
@@ -111,7 +111,7 @@ class LLQRSAM(PreconditionedOptimizer):
     def scaled_perturbation(self, centre_grads, values):
         v = centre_grads
         if self.ascent == "fsam":
-            v = [backend.add_scaled(g, ops.cast(m, g.dtype), -self.fsam_sigma) for g, m in zip(centre_grads, self._average)]
+            v = trend_removed(centre_grads, self._average, self.fsam_sigma)
         w = self.precondition(v)
         if self.norm == "euclidean":
             sq = backend.vdot(w, w)
@@ -123,9 +123,7 @@ class LLQRSAM(PreconditionedOptimizer):
         return scale, w
 
     def update_state(self, centre_grads, perturbed_grads):
-        b = self.fsam_momentum
-        for m, g in zip(self._average, centre_grads):
-            m.assign(b * m + (1.0 - b) * ops.cast(g, m.dtype))
+        update_trend(self._average, centre_grads, self.fsam_momentum)
 
     def descent_gradients(self, centre_grads, perturbed_grads, values):
         return self.preconditioner.descent(perturbed_grads, values)

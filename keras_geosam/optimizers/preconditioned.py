@@ -8,10 +8,26 @@ step: U's variables are created as optimizer variables, the in-step refresh
 runs before the centre pass, and the descent direction is ``U g``.
 """
 
+from keras import ops
+
+from keras_geosam import keras_internals
 from keras_geosam import backend
 from keras_geosam.optimizers.base import TwoPassOptimizer
 from keras_geosam.preconditioner import OPTIONS
 from keras_geosam.preconditioner import LearnedPreconditioner
+
+
+class _FromU:
+    """A read-only optimizer attribute that is U's setting of the same name."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, optimizer, owner=None):
+        return self if optimizer is None else getattr(optimizer.preconditioner, self.name)
+
+    def __set__(self, optimizer, value):
+        raise AttributeError(f"{self.name} is U's setting: set optimizer.preconditioner.{self.name}.")
 
 
 class PreconditionedOptimizer(TwoPassOptimizer):
@@ -25,8 +41,25 @@ class PreconditionedOptimizer(TwoPassOptimizer):
         options = {k: kwargs.pop(k) for k in list(kwargs) if k in OPTIONS}
         super().__init__(base_optimizer, **kwargs)
         self.preconditioner = LearnedPreconditioner(structure=structure, divergence=divergence, refresh_every=refresh_every, **options)
+        # The schedule counts micro-batches under the base's gradient accumulation.
+        self.preconditioner.schedule.accumulation = lambda: self.base_optimizer.gradient_accumulation_steps or 1
 
     refreshes = property(lambda self: self.preconditioner.refreshes, doc="How many refreshes U has had (an integer optimizer variable).")
+
+    # U's settings read like the optimizer's own (opt.structure, opt.clip_norm, ...).
+    structure = _FromU()
+    divergence = _FromU()
+    refresh_every = _FromU()
+    refresh_source = _FromU()
+    refresh_steps = _FromU()
+    refresh_until = _FromU()
+    inner_learning_rate = _FromU()
+    inner_momentum = _FromU()
+    clip_norm = _FromU()
+    beta = _FromU()
+    min_diagonal = _FromU()
+    coupled_weight_decay = _FromU()
+    decay_mask = _FromU()
 
     def build_state(self, var_list):
         owner = getattr(self, "_geosam_owner", None)
@@ -36,21 +69,10 @@ class PreconditionedOptimizer(TwoPassOptimizer):
         self.preconditioner.check_model(model, refresh_source)
 
     def refresh_due(self):
-        """True (a tensor) when U is due for a refresh before this step: the
-        optimizer step is a multiple of ``refresh_every`` and, under the base
-        optimizer's gradient accumulation, this is the step's first
-        micro-batch (so a step refreshes once, and every micro-batch of it
-        is preconditioned by the same U)."""
-        from keras import ops
-
-        due = ops.equal(ops.mod(self.iterations, self.refresh_every), 0)
-        if self.preconditioner.refresh_until is not None:
-            due = ops.logical_and(due, ops.less(self.iterations, self.preconditioner.refresh_until))
-        k = self.base_optimizer.gradient_accumulation_steps
-        if k:
-            micro = self.base_optimizer._iterations
-            due = ops.logical_and(due, ops.equal(ops.mod(micro, k), 0))
-        return due
+        """True (a tensor) when U is due for a refresh before this step
+        (``preconditioner.schedule``: a multiple of ``refresh_every`` below
+        ``refresh_until``, on an accumulated step's first micro-batch)."""
+        return self.preconditioner.schedule.due(self.refresh_counter)
 
     @property
     def prepares_steps(self):
@@ -59,27 +81,10 @@ class PreconditionedOptimizer(TwoPassOptimizer):
 
     @property
     def refresh_counter(self):
-        """The variable the host's ``refresh_bounds`` count: the base
-        optimizer's step counter, in micro-batches under gradient
-        accumulation (where ``iterations`` is derived from it)."""
-        return self.base_optimizer._iterations
-
-    def refresh_schedule(self):
-        """``(every, until)`` in ``refresh_counter``'s units: with k-step
-        gradient accumulation a refresh is due at micro-batch counts that
-        are multiples of k * refresh_every (the first micro-batch of a due
-        optimizer step), exactly as ``refresh_due`` decides on the device."""
-        k = self.base_optimizer.gradient_accumulation_steps or 1
-        until = self.preconditioner.refresh_until
-        return self.preconditioner.refresh_every * k, None if until is None else until * k
-
-    @property
-    def refresh_bounds(self):
-        """The host's :class:`RefreshBounds` on ``refresh_counter``."""
-        bounds = self.__dict__.get("_refresh_bounds")
-        if bounds is None:
-            bounds = self._refresh_bounds = RefreshBounds(self.refresh_schedule)
-        return bounds
+        """The counter the schedule reads: the base optimizer's step
+        counter, in micro-batches under gradient accumulation (where
+        ``iterations`` is derived from it)."""
+        return keras_internals.optimizer_step_counter(self.base_optimizer)
 
     def prepare_step(self, model, values, non_trainable, x, y):
         if not self.prepares_steps:
@@ -90,28 +95,22 @@ class PreconditionedOptimizer(TwoPassOptimizer):
         return refresh(model, values, non_trainable, x, y)
 
     def _refresh_in_step(self, model, values, non_trainable, x, y):
-        if backend.eager_steps and not self._maybe_due():
-            return []  # certainly not due: no condition to read on the host
+        # Eager steps (torch) would decide the branch on the host, which on
+        # an accelerator means waiting for the device: the schedule's host
+        # bounds read the counter only near due steps.
+        if backend.eager_steps and not self.preconditioner.schedule.next_step(self._read_counter):
+            return []  # certainly not due
         return self.preconditioner.prepare_step(self.refresh_due(), model, values, non_trainable, x, y)
 
-    def _maybe_due(self):
-        """Eager steps (torch) decide ``refresh_due`` on the host, which on
-        an accelerator means waiting for the device: the counter is read
-        only when the host's bounds on it allow a due step."""
-        from keras import ops
-
-        return self.refresh_bounds.next_step(lambda: int(ops.convert_to_numpy(self.refresh_counter)))
-
-    def forget_step_bounds(self):
-        """The step counter may have changed behind the host's back."""
-        self.refresh_bounds.forget()
+    def _read_counter(self):
+        return int(ops.convert_to_numpy(self.refresh_counter))
 
     def load_own_variables(self, store):
-        self.forget_step_bounds()
+        self.preconditioner.schedule.forget()  # the counter changes behind the host's back
         super().load_own_variables(store)
 
     def set_weights(self, weights):
-        self.forget_step_bounds()
+        self.preconditioner.schedule.forget()
         super().set_weights(weights)
 
     def precondition(self, vectors):
@@ -128,66 +127,3 @@ class PreconditionedOptimizer(TwoPassOptimizer):
         config = super().get_config()
         config.update(self.preconditioner.get_config())
         return config
-
-
-class RefreshBounds:
-    """Host-side bounds ``[low, high]`` on a step counter, so that most
-    steps know without reading the device that no refresh is due: a refresh
-    is due when the counter is a multiple of ``every`` below ``until``, both
-    read from ``schedule()`` at every check (they may change between fits).
-
-    A step advances the counter by at most one (not at all when it is
-    skipped for non-finite values), so after each step ``high`` grows by
-    one. Only when a due count lies within the bounds does the caller read
-    the counter and ``collapse`` them onto it: about twice per refresh
-    period. Unknown bounds (at the start, or after ``forget``) allow
-    anything; the device-side ``refresh_due`` decides every step the host
-    lets through.
-    """
-
-    def __init__(self, schedule):
-        self.schedule = schedule
-        self.bounds = None
-
-    @property
-    def exact(self):
-        return self.bounds is not None and self.bounds[0] == self.bounds[1]
-
-    def may_be_due(self):
-        if self.bounds is None:
-            return True
-        every, until = self.schedule()
-        low, high = self.bounds
-        if until is not None:
-            high = min(high, until - 1)
-        return -(-low // every) * every <= high  # a multiple of `every` in [low, high]
-
-    def collapse(self, counter):
-        self.bounds = (counter, counter)
-
-    def advance(self):
-        if self.bounds is not None:
-            self.bounds = (self.bounds[0], self.bounds[1] + 1)
-
-    def next_step(self, read_counter, can_read=True):
-        """Whether the coming step may be due; then counts it. Calls
-        ``read_counter()`` (a host read of the counter) only when the bounds
-        allow a due count and are not exact, and `can_read`. With
-        ``every <= 2`` every step may be due and nothing is read: reading
-        would wait for the device on every step, for nothing."""
-        if self.schedule()[0] <= 2:
-            self.forget()
-            return True
-        if can_read and self.may_be_due() and not self.exact:
-            self.collapse(read_counter())
-        due = self.may_be_due()
-        self.advance()
-        return due
-
-    def forget(self):
-        self.bounds = None
-
-
-# U's settings read like the optimizer's own (opt.structure, opt.clip_norm, ...).
-for _name in ("structure", "divergence", "refresh_every") + OPTIONS:
-    setattr(PreconditionedOptimizer, _name, property(lambda self, _n=_name: getattr(self.preconditioner, _n)))

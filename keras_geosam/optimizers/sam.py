@@ -6,6 +6,7 @@ from keras import ops
 from keras_geosam import backend
 
 from keras_geosam.optimizers.base import TwoPassOptimizer
+from keras_geosam._checks import check_number
 
 
 @keras.saving.register_keras_serializable(package="keras_geosam")
@@ -54,9 +55,9 @@ class SAM(TwoPassOptimizer):
 
     def __init__(self, base_optimizer, rho=0.05, adaptive=False, eta=0.01, bn_stats="centre", dropout="fresh", perturbation="global", name=None, **kwargs):
         super().__init__(base_optimizer, bn_stats=bn_stats, dropout=dropout, perturbation=perturbation, name=name or ("ASAM" if adaptive else "SAM"), **kwargs)
-        self.rho = self.check_hyperparameter("rho", rho)
+        self.rho = check_number("rho", rho)
         self.adaptive = bool(adaptive)
-        self.eta = self.check_hyperparameter("eta", eta)
+        self.eta = check_number("eta", eta)
 
     @property
     def sparse_gradients(self):

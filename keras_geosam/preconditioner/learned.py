@@ -12,6 +12,7 @@ import warnings
 import keras
 from keras import ops
 
+from keras_geosam import keras_internals
 from keras_geosam import backend
 from keras_geosam._checks import check_int as _check_int
 from keras_geosam._checks import check_number
@@ -20,6 +21,7 @@ from keras_geosam.curvature.layers import is_convolutional
 from keras_geosam.curvature.layers import kernel_views
 from keras_geosam.curvature.losses import require_classifier
 from keras_geosam.curvature.losses import resolve_loss
+from keras_geosam.preconditioner.schedule import RefreshSchedule
 from keras_geosam.preconditioner import objective
 from keras_geosam.preconditioner import structures
 
@@ -161,7 +163,6 @@ class LearnedPreconditioner:
             raise ValueError(f"refresh_source must be one of {REFRESH_SOURCES}, got {refresh_source!r}.")
         self.structure = structure
         self.divergence = divergence
-        self.refresh_every = _check_int("refresh_every", refresh_every)
         self.refresh_source = refresh_source
         self.refresh_steps = _check_int("refresh_steps", refresh_steps)
         self.inner_learning_rate = check_number("inner_learning_rate", inner_learning_rate, strict=True)
@@ -174,7 +175,8 @@ class LearnedPreconditioner:
             raise ValueError(f"beta must be in [0, 1], got {beta!r}.")
         self.min_diagonal = check_number("min_diagonal", min_diagonal)
         self.coupled_weight_decay = check_number("coupled_weight_decay", coupled_weight_decay)
-        self.refresh_until = None if refresh_until is None else _check_int("refresh_until", refresh_until)
+        self.schedule = RefreshSchedule(_check_int("refresh_every", refresh_every),
+                                        _check_int("refresh_until", refresh_until, allow_none=True))
         if decay_mask not in DECAY_MASKS:
             raise ValueError(f"decay_mask must be one of {DECAY_MASKS}, got {decay_mask!r}.")
         self.decay_mask = decay_mask
@@ -182,6 +184,22 @@ class LearnedPreconditioner:
         self.paths = None
         self.refreshes = None
         self.clock = RefreshClock()
+
+    @property
+    def refresh_every(self):
+        return self.schedule.every
+
+    @refresh_every.setter
+    def refresh_every(self, value):
+        self.schedule.every = _check_int("refresh_every", value)
+
+    @property
+    def refresh_until(self):
+        return self.schedule.until
+
+    @refresh_until.setter
+    def refresh_until(self, value):
+        self.schedule.until = _check_int("refresh_until", value, allow_none=True)
 
     def get_config(self):
         return {
@@ -208,7 +226,7 @@ class LearnedPreconditioner:
             # A diagonal block is laid out like its weight (sharded with it
             # under keras.distribution.ModelParallel); Kronecker factors and
             # EK-FAC's bases are replicated: each product needs them whole.
-            layout = getattr(var_list[i], "_layout", None) if tuple(shape) == tuple(var_list[i].shape) else None
+            layout = keras_internals.variable_layout(var_list[i]) if tuple(shape) == tuple(var_list[i].shape) else None
             extra = {} if layout is None else {"layout": layout}
             self.variables.append(optimizer.add_variable(shape, initializer=init, name=f"U{i}_{name}", **extra))
         # dtype "int", as Keras' own `iterations`: int64 where the backend

@@ -1,12 +1,7 @@
 """Shared argument checks and bookkeeping of the sharpness measures."""
 
-import numpy as np
-
-from keras_geosam.curvature.functional import num_examples
-from keras_geosam.curvature.functional import progbar  # noqa: F401  (re-exported for the measures)
-from keras_geosam.estimators.trace import check_positive_int  # noqa: F401
-
-from keras_geosam.curvature.operators.model import DEFAULT_BATCH_SIZE  # noqa: F401,E402
+from keras_geosam.curvature.data import num_examples
+from keras_geosam.curvature.data import DEFAULT_BATCH_SIZE
 
 
 def require_fisher(model, loss, what):
@@ -36,12 +31,6 @@ def check_inputs(model, x, y, loss=None, sample_weight=None, labels_needed=True)
     if sample_weight is not None:
         weights.resolve(fns, x, y, sample_weight, DEFAULT_BATCH_SIZE)
     return fns
-
-
-def check_rtol(rtol, max_probes):
-    if rtol is not None and not (isinstance(rtol, (int, float, np.floating)) and rtol > 0):
-        raise ValueError(f"rtol must be a number > 0 or None, got {rtol!r}.")
-    check_positive_int("max_probes", max_probes)
 
 
 def data_info(x, batch_size):

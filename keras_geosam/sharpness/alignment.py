@@ -15,8 +15,9 @@ import numpy as np
 import scipy.stats
 from keras import ops
 
+from keras_geosam._checks import check_int
 from keras_geosam.curvature import loss_and_gradient
-from keras_geosam.curvature.functional import num_examples
+from keras_geosam.curvature.data import num_examples
 from keras_geosam.curvature.functional import progbar
 from keras_geosam.sharpness import _common
 from keras_geosam.sharpness.fisher import fisher_diagonal
@@ -140,8 +141,8 @@ def gradient_noise_alignment(
     _common.check_inputs(model, x, y, loss, sample_weight)
     n = num_examples(x)
     sw = None if sample_weight is None else np.asarray(ops.convert_to_numpy(sample_weight))
-    batch_size = _common.check_positive_int("batch_size", batch_size)
-    num_batches = _common.check_positive_int("num_batches", num_batches)
+    batch_size = check_int("batch_size", batch_size)
+    num_batches = check_int("num_batches", num_batches)
     if batch_size >= n:
         raise ValueError(f"batch_size ({batch_size}) must be smaller than the data ({n} examples).")
     rng = np.random.default_rng(seed)

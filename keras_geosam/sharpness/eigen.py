@@ -1,6 +1,8 @@
 """Largest eigenvalues: Euclidean ``lambda_max(H)`` and Riemannian
 ``lambda_max(M^-1/2 H M^-1/2)``, by Lanczos on operator products."""
 
+from keras_geosam._checks import check_int
+from keras_geosam._checks import check_number
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.functional import progbar
 from keras_geosam.curvature.losses import require_classifier
@@ -13,7 +15,7 @@ from keras_geosam.sharpness.metric import fisher_metric
 from keras_geosam.sharpness.riemannian import DEFAULT_DAMPING
 
 
-def _lanczos(op, model, x, max_iter, tol, seed, batch_size, max_memory, verbose):
+def _lanczos(op, x, max_iter, tol, seed, batch_size, max_memory, verbose):
     _common.warn_if_tiny(x)
     bar = progbar(max_iter, verbose, "iteration")
     est = lanczos(op, max_iter=max_iter, tol=tol, seed=seed, max_memory=max_memory, bar=bar)
@@ -66,10 +68,10 @@ def hessian_max_eigenvalue(model, x, y, max_iter=100, tol=1e-3, seed=0, batch_si
     >>> round(est.value, 4), est.info["converged"]
     (0.5414, True)
     """
-    max_iter = _common.check_positive_int("max_iter", max_iter)
+    max_iter = check_int("max_iter", max_iter)
     _common.check_inputs(model, x, y, loss, sample_weight)
     op = Hessian(model, x, y, loss=loss, batch_size=batch_size, sample_weight=sample_weight)
-    return _lanczos(op, model, x, max_iter, tol, seed, batch_size, max_memory, verbose)
+    return _lanczos(op, x, max_iter, tol, seed, batch_size, max_memory, verbose)
 
 
 def riemannian_max_eigenvalue(model, x, y, metric="diagonal", fisher="exact", damping=None, max_iter=100, tol=1e-3,
@@ -121,17 +123,15 @@ def riemannian_max_eigenvalue(model, x, y, metric="diagonal", fisher="exact", da
     >>> round(est.value, 3), est.info["metric"]
     (2.859, 'diagonal')
     """
-    max_iter = _common.check_positive_int("max_iter", max_iter)
+    max_iter = check_int("max_iter", max_iter)
     fns = model_functions(model, loss, training=False)
     require_classifier(fns.spec, "riemannian_max_eigenvalue")
-    damping = DEFAULT_DAMPING if damping is None else float(damping)
-    if not damping >= 0:
-        raise ValueError(f"damping must be >= 0, got {damping!r}.")
+    damping = DEFAULT_DAMPING if damping is None else check_number("damping", damping, 0.0)
     _common.check_inputs(model, x, y, loss, sample_weight)
     M = fisher_metric(model, x, y, metric, fisher, num_samples, seed, batch_size, loss, sample_weight=sample_weight,
                       max_exact_classes=max_exact_classes, exact_samples=exact_samples)
     S = M.inverse_sqrt(damping, relative=True)
     op = S @ Hessian(model, x, y, loss=loss, batch_size=batch_size, sample_weight=sample_weight) @ S
-    est = _lanczos(op, model, x, max_iter, tol, seed, batch_size, max_memory, verbose)
+    est = _lanczos(op, x, max_iter, tol, seed, batch_size, max_memory, verbose)
     est.info.update(metric=metric, fisher=fisher, damping=damping, **M.info)
     return est

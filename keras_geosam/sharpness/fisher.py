@@ -19,8 +19,8 @@ per-example gradient matrix.
 import numpy as np
 from keras import ops
 
+from keras_geosam._checks import check_int
 from keras_geosam.curvature.operators import GGN
-from keras_geosam.curvature.operators.model import KINDS  # noqa: F401
 from keras_geosam.curvature.operators.model import check_kind
 from keras_geosam.sharpness import _common
 
@@ -71,7 +71,7 @@ def fisher_diagonal(model, x, y=None, kind="exact", num_samples=1, seed=0, batch
     [0.1736, 0.2049, 0.2882]
     """
     check_kind(kind)
-    num_samples = _common.check_positive_int("num_samples", num_samples)
+    num_samples = check_int("num_samples", num_samples)
     _common.require_fisher(model, loss, "fisher_diagonal")
     op = GGN(model, x, y, kind=kind, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size, sample_weight=sample_weight)
     return [np.asarray(ops.convert_to_numpy(d), dtype="float64") for d in op.diagonal()]

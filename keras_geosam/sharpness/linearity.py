@@ -20,6 +20,8 @@ assumed zero).
 
 import keras
 
+from keras_geosam import keras_internals
+
 _PL_ACTIVATIONS = ("relu", "leaky_relu", "linear", "relu6")
 
 
@@ -50,9 +52,7 @@ def _activation_ok(act, last):
 def _check(model, allow_batchnorm, is_last=True):
     # A Sequential or functional graph: every operation is a known layer,
     # and no layer is applied twice (weight sharing is not linear in W).
-    from keras.src.models.functional import Functional
-
-    if not isinstance(model, (keras.Sequential, Functional)):
+    if not isinstance(model, (keras.Sequential, keras_internals.Functional)):
         return False
     linear = _linear_types()
     operations = list(getattr(model, "operations", None) or model.layers)
@@ -62,9 +62,9 @@ def _check(model, allow_batchnorm, is_last=True):
         last = is_last and i == len(operations) - 1
         if not isinstance(op, keras.layers.Layer):
             return False  # a raw keras.ops node of a functional graph
-        if len(getattr(op, "_inbound_nodes", [])) > 1 and not isinstance(op, keras.layers.InputLayer):
+        if keras_internals.calls_of(op) > 1 and not isinstance(op, keras.layers.InputLayer):
             return False
-        if isinstance(op, (keras.Sequential, Functional)):
+        if isinstance(op, (keras.Sequential, keras_internals.Functional)):
             if not _check(op, allow_batchnorm, last):
                 return False
             continue

@@ -28,6 +28,8 @@ import warnings
 import numpy as np
 from keras import ops
 
+from keras_geosam._checks import check_int
+from keras_geosam._checks import check_number
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.losses import require_classifier
 from keras_geosam.curvature.operators import EKFAC
@@ -162,11 +164,11 @@ def riemannian_sharpness(
     """
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}.")
-    num_probes = _common.check_positive_int("num_probes", num_probes)
-    _common.check_rtol(rtol, max_probes)
+    num_probes = check_int("num_probes", num_probes)
+    check_number("rtol", rtol, 0.0, strict=True, allow_none=True)
+    check_int("max_probes", max_probes)
     check_estimator(estimator)
-    if damping is not None and not damping >= 0:
-        raise ValueError(f"damping must be >= 0, got {damping!r}.")
+    check_number("damping", damping, 0.0, allow_none=True)
     fns = model_functions(model, loss, training=False)
     require_classifier(fns.spec, "riemannian_sharpness")
     _common.check_inputs(model, x, y, loss, sample_weight)
@@ -176,20 +178,20 @@ def riemannian_sharpness(
     damping = DEFAULT_DAMPING if damping is None else float(damping)
     M = fisher_metric(model, x, y, metric, fisher, num_samples, seed, batch_size, loss, sample_weight=sample_weight,
                       max_exact_classes=max_exact_classes, exact_samples=exact_samples)
-    Minv = M.inverse(damping, relative=True, rcond=rcond)
+    M_inverse = M.inverse(damping, relative=True, rcond=rcond)
 
-    def Mis():  # only the probed parts need it
+    def M_inverse_sqrt():  # only the probed parts need it
         return M.inverse_sqrt(damping, relative=True, rcond=rcond)
 
     info = {"metric": metric, "fisher": fisher, "damping": damping, "damping_relative_to": "each block's mean eigenvalue"}
     info.update(M.info if hasattr(M, "info") else {})
-    info.update(_metric_info(M, Minv, damping, rcond))
+    info.update(_metric_info(M, M_inverse, damping, rcond))
     if split:
         what = f"riemannian_sharpness (metric={metric!r}, damping={damping:g})"
-        est = split_trace(model, x, y, Minv, Mis, num_probes, rtol, max_probes, estimator, seed, batch_size, loss, verbose,
+        est = split_trace(model, x, y, M_inverse, M_inverse_sqrt, num_probes, rtol, max_probes, estimator, seed, batch_size, loss, verbose,
                           sample_weight, max_exact_classes, exact_samples, what)
     else:
-        S = Mis()
+        S = M_inverse_sqrt()
         op = S @ Hessian(model, x, y, loss=loss, batch_size=batch_size, sample_weight=sample_weight) @ S
         est = stochastic_trace(op, estimator, num_probes, rtol, max_probes, seed, 0.0, fns.paths, verbose)
         est.info.update(_common.data_info(x, batch_size), split=False)

@@ -17,8 +17,10 @@ import warnings
 
 import numpy as np
 
+from keras_geosam._checks import check_int
+from keras_geosam._checks import check_number
 from keras_geosam.curvature.functional import model_functions
-from keras_geosam.curvature.functional import rows_of
+from keras_geosam.curvature import weights
 from keras_geosam.curvature.functional import progbar
 from keras_geosam.curvature.operators import GGN
 from keras_geosam.curvature.operators import GGNResidual
@@ -36,10 +38,7 @@ ESTIMATORS = ("hutchinson", "hutch++")
 def _has_regularization(fns, x):
     """Whether the loss carries regularisation terms (their Hessian belongs
     to H - GGN and is not zero on layer blocks): one forward on one example."""
-    if not fns.include_regularization:
-        return False
-    first = rows_of(x, 0, 1)
-    return bool(fns.outputs(fns.params(), fns.non_trainable(), first)[1])
+    return fns.include_regularization and weights.first_example(fns, x)[2]
 
 
 def check_estimator(estimator):
@@ -214,8 +213,9 @@ def hessian_trace(model, x, y, num_probes=20, rtol=0.05, max_probes=100, split=N
     >>> round(sum(est.per_layer.values()), 4), est.info["residual_exact"]
     (2.4291, True)
     """
-    num_probes = _common.check_positive_int("num_probes", num_probes)
-    _common.check_rtol(rtol, max_probes)
+    num_probes = check_int("num_probes", num_probes)
+    check_number("rtol", rtol, 0.0, strict=True, allow_none=True)
+    check_int("max_probes", max_probes)
     check_estimator(estimator)
     fns = _common.check_inputs(model, x, y, loss, sample_weight)
     if split is None:

@@ -1,5 +1,5 @@
 import sys
 
-from keras_geosam.study import main
+from keras_geosam.study.command import main
 
 sys.exit(main())

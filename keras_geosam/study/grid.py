@@ -23,6 +23,9 @@ import warnings
 
 import numpy as np
 
+from keras_geosam._checks import check_choice
+from keras_geosam._checks import check_int
+from keras_geosam._checks import check_number
 from keras_geosam.experiments import DAMPING
 from keras_geosam.experiments.budget import budget_text
 from keras_geosam.experiments.budget import epoch_cap
@@ -197,14 +200,11 @@ def resolve_settings(preset=None, **overrides):
         from keras_geosam.experiments.optimizers import names_help
 
         raise ValueError(f"Unknown optimizer(s) {bad}; {names_help()}.")
-    if s["probe_data"] not in PROBE_SOURCES:
-        raise ValueError(f"probe_data must be one of {PROBE_SOURCES}, got {s['probe_data']!r}.")
-    if s["min_train_acc"] is not None:
-        s["min_train_acc"] = float(s["min_train_acc"])
-        if not 0 <= s["min_train_acc"] <= 1:
-            raise ValueError(f"min_train_acc must be in [0, 1] (None: twice chance), got {s['min_train_acc']}.")
-    if not 0 < float(s["confidence"]) < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {s['confidence']!r}.")
+    check_choice("probe_data", s["probe_data"], PROBE_SOURCES)
+    s["min_train_acc"] = check_number("min_train_acc", s["min_train_acc"], 0.0, allow_none=True)
+    if s["min_train_acc"] is not None and s["min_train_acc"] > 1:
+        raise ValueError(f"min_train_acc must be in [0, 1] (None: twice chance), got {s['min_train_acc']}.")
+    s["confidence"] = check_number("confidence", s["confidence"], 0.0, strict=True, below=1.0)
     for k in ("batch_sizes", "seeds"):
         s[k] = tuple(int(v) for v in s[k])
     s["learning_rates"] = tuple(float(v) for v in s["learning_rates"])
@@ -217,21 +217,12 @@ def resolve_settings(preset=None, **overrides):
     s["trajectory"] = bool(s["trajectory"])
     for k in ("trajectory_points", "epochs", "probe_size", "num_probes", "width", "depth", "max_iter", "alignment_size",
               "alignment_batches", "n_resamples"):
-        s[k] = int(s[k])
-        if s[k] < 1:
-            raise ValueError(f"{k} must be >= 1, got {s[k]}.")
-    s["train_size"], s["data_seed"], s["steps"] = int(s["train_size"]), int(s["data_seed"]), int(s["steps"])
-    if s["steps"] < 0:
-        raise ValueError(f"steps must be >= 0 (0: train by epochs), got {s['steps']}.")
-    if s["target_train_loss"] is not None:
-        s["target_train_loss"] = float(s["target_train_loss"])
-        if not s["target_train_loss"] > 0:
-            raise ValueError(f"target_train_loss must be > 0, got {s['target_train_loss']}.")
-    if s["train_size"] < 0:
-        raise ValueError(f"train_size must be >= 0 (0: all), got {s['train_size']}.")
-    s["damping"], s["confidence"] = float(s["damping"]), float(s["confidence"])
-    if not s["damping"] >= 0:
-        raise ValueError(f"damping must be >= 0, got {s['damping']}.")
+        s[k] = check_int(k, s[k])
+    s["steps"] = check_int("steps", s["steps"], 0)  # 0: train by epochs
+    s["train_size"] = check_int("train_size", s["train_size"], 0)  # 0: all
+    s["data_seed"] = check_int("data_seed", s["data_seed"], 0)
+    s["target_train_loss"] = check_number("target_train_loss", s["target_train_loss"], 0.0, strict=True, allow_none=True)
+    s["damping"] = check_number("damping", s["damping"], 0.0)
     if any(not s[k] for k in GRID_KEYS if k != "datasets") or not (s["datasets"] or s["data"]):
         raise ValueError("every grid axis needs at least one value (datasets or data, optimizers, batch sizes, "
                          "learning rates, seeds).")

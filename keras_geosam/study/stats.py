@@ -20,6 +20,9 @@ import warnings
 import numpy as np
 import scipy.stats
 
+from keras_geosam._checks import check_int
+from keras_geosam._checks import check_number
+
 CORRELATION_METHODS = ("kendall", "spearman")
 
 
@@ -150,10 +153,8 @@ def bootstrap_interval(statistic, *samples, n_resamples=2000, confidence=0.95, s
     >>> bool(ci.low <= kendall_tau(x, y)[0] <= ci.high)
     True
     """
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence!r}.")
-    if int(n_resamples) < 1:
-        raise ValueError(f"n_resamples must be >= 1, got {n_resamples!r}.")
+    check_number("confidence", confidence, 0.0, strict=True, below=1.0)
+    n_resamples = check_int("n_resamples", n_resamples)
     arrays = [np.asarray(a, dtype="float64").ravel() for a in samples]
     if len({a.size for a in arrays}) > 1:
         raise ValueError(f"samples must have the same length, got {[a.size for a in arrays]}.")

@@ -30,60 +30,68 @@ The JAX trainer passes state explicitly (``train_step(state, data)``);
 TensorFlow and torch mutate variables (``train_step(data)``).
 """
 
+from typing import NamedTuple
+
 import keras
 from keras import ops
-from keras.src.trainers.data_adapters import data_adapter_utils
-
 from keras_geosam import backend
-from keras_geosam.optimizers.base import TwoPassOptimizer
+from keras_geosam import keras_internals
+from keras_geosam.optimizers.base import unwrap
 
 SAM_METRICS = ("sharpness_gap", "grad_norm", "grad_cosine")
 
 
-def unwrap(optimizer):
-    """``(two_pass_optimizer or None, loss_scale_optimizer or None)``."""
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        inner = optimizer.inner_optimizer
-        return (inner if isinstance(inner, TwoPassOptimizer) else None), optimizer
-    return (optimizer if isinstance(optimizer, TwoPassOptimizer) else None), None
+class TwoPassResult(NamedTuple):
+    """What both passes of a step computed (pure values, no variables)."""
+
+    loss_centre: object
+    loss_perturbed: object
+    grads_centre: list
+    grads_perturbed: list
+    y_pred: object
+    non_trainable: list  # the non-trainable values to keep (bn_stats, dropout)
+    metric_values: list  # metric variables' values after the loss computation
+    sq_norm_centre: object = None
+    sq_norm_perturbed: object = None
+    dot: object = None  # <g_c, g_p>
+    finite: object = None  # loss and both gradients finite
 
 
-def _finalise(r):
-    """Adds squared norms, their dot product and the finite flag to `r`."""
-    r["sq_c"] = backend.vdot(r["g_c"], r["g_c"], "float32")
-    if r["g_p"] is r["g_c"]:
-        r["sq_p"] = r["dot"] = r["sq_c"]
+def _finalise(result):
+    """`result` with the squared norms, their dot product and the finite flag."""
+    g_c, g_p = result.grads_centre, result.grads_perturbed
+    sq_c = backend.vdot(g_c, g_c, "float32")
+    if g_p is g_c:
+        sq_p = dot = sq_c
     else:
-        r["sq_p"] = backend.vdot(r["g_p"], r["g_p"], "float32")
-        r["dot"] = backend.vdot(r["g_c"], r["g_p"], "float32")
+        sq_p = backend.vdot(g_p, g_p, "float32")
+        dot = backend.vdot(g_c, g_p, "float32")
     # NaN or Inf anywhere in a gradient makes its squared norm non-finite.
-    total = ops.cast(r["loss_c"], "float32") + ops.cast(r["loss_p"], "float32") + r["sq_c"] + r["sq_p"]
-    r["finite"] = ops.isfinite(total)
-    return r
+    total = ops.cast(result.loss_centre, "float32") + ops.cast(result.loss_perturbed, "float32") + sq_c + sq_p
+    return result._replace(sq_norm_centre=sq_c, sq_norm_perturbed=sq_p, dot=dot, finite=ops.isfinite(total))
 
 
-def _forward(model, tv, ntv, mv, x, y, sw, scale):
-    """Loss at trainable values `tv` (training mode), Keras' own loss code."""
-    kwargs = {"training": True} if model._call_has_training_arg else {}
-    y_pred, ntv_new, losses = model.stateless_call(tv, ntv, x, return_losses=True, **kwargs)
-    if losses:
-        model._losses_override = losses
-    loss, (_, _, mv_new) = model.stateless_compute_loss(
-        tv, ntv_new, mv, x=x, y=y, y_pred=y_pred, sample_weight=sw, training=True
-    )
-    if losses:
-        model._losses_override = []
+def _forward(model, trainable, non_trainable, metric_values, x, y, sample_weight, scale):
+    """Loss at the `trainable` values (training mode), Keras' own loss code."""
+    kwargs = {"training": True} if keras_internals.call_has_training_arg(model) else {}
+    y_pred, non_trainable_new, losses = model.stateless_call(trainable, non_trainable, x, return_losses=True, **kwargs)
+    with keras_internals.losses_override(model, losses):
+        loss, (_, _, metric_values_new) = model.stateless_compute_loss(
+            trainable, non_trainable_new, metric_values, x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+            training=True,
+        )
     scaled = loss if scale is None else loss * ops.cast(scale, loss.dtype)
-    return scaled, (loss, y_pred, ntv_new, mv_new)
+    return scaled, (loss, y_pred, non_trainable_new, metric_values_new)
 
 
-def two_pass(model, optimizer, tv, ntv, mv, x, y, sw, scale=None):
-    """Both passes on one batch. Pure: returns a dict of values."""
+def two_pass(model, optimizer, trainable, non_trainable, metric_values, x, y, sample_weight, scale=None):
+    """Both passes on one batch. Pure: returns a :class:`TwoPassResult`."""
     # An optimizer that takes sparse gradients (an Embedding's, on
     # TensorFlow) gets them as they are; the others get them dense.
     sparse = optimizer.takes_sparse_gradients
+    data = (metric_values, x, y, sample_weight, scale)
     ((_, (loss_c, y_pred, ntv_c, mv_c)), g_c) = backend.value_and_grad(
-        lambda p, *a: _forward(model, p, *a), list(tv), ntv, mv, x, y, sw, scale, has_aux=True, sparse=sparse
+        lambda p, *a: _forward(model, p, *a), list(trainable), non_trainable, *data, has_aux=True, sparse=sparse
     )
     if scale is not None:
         g_c = _unscale(g_c, scale)
@@ -97,26 +105,20 @@ def two_pass(model, optimizer, tv, ntv, mv, x, y, sw, scale=None):
         else:
             g_c = [backend.scale(g, float(replicas)) for g in g_c]
     if optimizer.num_passes == 1:
-        return _finalise({
-            "loss_c": loss_c, "loss_p": loss_c, "g_c": g_c, "g_p": g_c,
-            "y_pred": y_pred, "ntv": ntv_c, "mv": mv_c,
-        })
-    tv_p = optimizer.perturbed_weights(g_c, list(tv))
+        return _finalise(TwoPassResult(loss_c, loss_c, g_c, g_c, y_pred, ntv_c, mv_c))
+    perturbed = optimizer.perturbed_weights(g_c, list(trainable))
     # Floats restart from the step's values (one pass updates BN statistics);
     # integer RNG state continues from the centre pass unless dropout="same".
     fresh = optimizer.dropout == "fresh"
-    ntv_in = [c if (fresh and not _is_float(v)) else v for v, c in zip(ntv, ntv_c)]
+    ntv_in = [c if (fresh and not _is_float(v)) else v for v, c in zip(non_trainable, ntv_c)]
     ((_, (loss_p, _, ntv_p, _)), g_p) = backend.value_and_grad(
-        lambda p, *a: _forward(model, p, *a), tv_p, ntv_in, mv, x, y, sw, scale, has_aux=True, sparse=sparse
+        lambda p, *a: _forward(model, p, *a), perturbed, ntv_in, *data, has_aux=True, sparse=sparse
     )
     if scale is not None:
         g_p = _unscale(g_p, scale)
     keep = ntv_c if optimizer.bn_stats == "centre" else ntv_p
-    new_ntv = [k if _is_float(v) else p for v, k, p in zip(ntv, keep, ntv_p)]
-    return _finalise({
-        "loss_c": loss_c, "loss_p": loss_p, "g_c": g_c, "g_p": g_p,
-        "y_pred": y_pred, "ntv": new_ntv, "mv": mv_c,
-    })
+    new_ntv = [k if _is_float(v) else p for v, k, p in zip(non_trainable, keep, ntv_p)]
+    return _finalise(TwoPassResult(loss_c, loss_p, g_c, g_p, y_pred, new_ntv, mv_c))
 
 
 def _unscale(grads, scale):
@@ -129,24 +131,29 @@ def _is_float(value):
     return "float" in str(keras.backend.standardize_dtype(value.dtype))
 
 
-def _sam_statistics(r):
-    nc, np_ = ops.sqrt(r["sq_c"]), ops.sqrt(r["sq_p"])
-    cos = r["dot"] / (nc * np_ + 1e-30)
+def _sam_statistics(result):
+    norm_c, norm_p = ops.sqrt(result.sq_norm_centre), ops.sqrt(result.sq_norm_perturbed)
+    cos = result.dot / (norm_c * norm_p + 1e-30)
     # Under tf.distribute both losses are scaled by 1/replicas (as the loss
     # tracker's is); unscaled, the replicas' mean is the global gap.
-    unscale = keras.src.losses.loss.unscale_loss_for_distribution
-    gap = ops.cast(unscale(r["loss_p"]), "float32") - ops.cast(unscale(r["loss_c"]), "float32")
-    return {"sharpness_gap": gap, "grad_norm": nc, "grad_cosine": cos}
+    gap = (ops.cast(_unscale_for_replicas(result.loss_perturbed), "float32")
+           - ops.cast(_unscale_for_replicas(result.loss_centre), "float32"))
+    return {"sharpness_gap": gap, "grad_norm": norm_c, "grad_cosine": cos}
 
 
-def _update_trackers(model, r, x, y, sw):
+def _unscale_for_replicas(loss):
+    """Keras scales each replica's loss by 1/replicas under tf.distribute
+    (so that the sum over replicas is the mean); this undoes it."""
+    replicas = backend.replica_count()
+    return loss if replicas == 1 else loss * ops.cast(replicas, loss.dtype)
+
+
+def _update_trackers(model, result, x, y, sample_weight):
     """Loss tracker, compiled metrics and SAM statistics; returns the logs."""
     n = ops.shape(next(t for t in keras.tree.flatten(x) if t is not None))[0]
-    model._loss_tracker.update_state(
-        keras.src.losses.loss.unscale_loss_for_distribution(r["loss_c"]), sample_weight=n
-    )
-    stats = _sam_statistics(r)
-    finite = r["finite"]
+    keras_internals.loss_tracker(model).update_state(_unscale_for_replicas(result.loss_centre), sample_weight=n)
+    stats = _sam_statistics(result)
+    finite = result.finite
     weight = ops.cast(finite, "float32")
     for name in SAM_METRICS:
         tracker = getattr(model, "_geosam_" + name, None)
@@ -156,7 +163,7 @@ def _update_trackers(model, r, x, y, sw):
     skipped = getattr(model, "_geosam_skipped_steps", None)
     if skipped is not None:
         skipped.update_state(1.0 - weight)
-    logs = dict(model.compute_metrics(x, y, r["y_pred"], sw))
+    logs = dict(model.compute_metrics(x, y, result.y_pred, sample_weight))
     # The step's statistics are reported by training only: they are kept
     # out of get_metrics_result, so evaluate() returns what Keras would.
     for tracker in step_trackers(model):
@@ -164,10 +171,10 @@ def _update_trackers(model, r, x, y, sw):
     return logs
 
 
-def update_metrics(model, mv, r, x, y, sw):
+def update_metrics(model, metric_values, result, x, y, sample_weight):
     """``_update_trackers`` on explicit metric values (the JAX step)."""
-    with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, mv))) as scope:
-        logs = _update_trackers(model, r, x, y, sw)
+    with keras.StatelessScope(state_mapping=list(zip(model.metrics_variables, metric_values))) as scope:
+        logs = _update_trackers(model, result, x, y, sample_weight)
     new_mv = []
     for v in model.metrics_variables:
         value = scope.get_current_value(v)
@@ -187,13 +194,13 @@ def _scale_of(lso):
 
 def stateful_train_step(model, data):
     """TensorFlow / torch: compute both passes, then assign and apply."""
-    x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     opt, lso = unwrap(model.optimizer)
-    tv = [v.value for v in model.trainable_variables]
-    ntv = [v.value for v in model.non_trainable_variables]
-    mv = [v.value for v in model.metrics_variables]
-    written = opt.prepare_step(model, tv, ntv, x, y)
-    r = two_pass(model, opt, tv, ntv, mv, x, y, sw, _scale_of(lso))
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    metric_values = [v.value for v in model.metrics_variables]
+    written = opt.prepare_step(model, trainable, non_trainable, x, y)
+    result = two_pass(model, opt, trainable, non_trainable, metric_values, x, y, sample_weight, _scale_of(lso))
 
     def apply(g_c, g_p, new_ntv):
         for v, value in zip(model.non_trainable_variables, new_ntv):
@@ -208,16 +215,17 @@ def stateful_train_step(model, data):
         for v, value in written:
             v.assign(value)
         if lso is not None:
-            lso._stateful_handle_non_finite_grads()
+            keras_internals.handle_non_finite_grads(lso)
 
     state = model.trainable_variables + model.non_trainable_variables + model.optimizer.variables
-    backend.cond_apply(r["finite"], apply, skip, (r["g_c"], r["g_p"], r["ntv"]), state=state)
+    args = (result.grads_centre, result.grads_perturbed, result.non_trainable)
+    backend.cond_apply(result.finite, apply, skip, args, state=state)
     # Metrics are variables here: keep what the loss computation wrote (the
     # per-output loss trackers of a multi-output model), then update in place.
-    for v, before, after in zip(model.metrics_variables, mv, r["mv"]):
+    for v, before, after in zip(model.metrics_variables, metric_values, result.metric_values):
         if after is not before:
             v.assign(after)
-    return _update_trackers(model, r, x, y, sw)
+    return _update_trackers(model, result, x, y, sample_weight)
 
 
 def _loss_scale_grow(lso):
@@ -232,26 +240,27 @@ def _loss_scale_grow(lso):
 
 class _RefreshGate:
     """The host's side of JAX's step gating (``backend.gate_preparation``):
-    the optimizer's ``refresh_bounds`` on its ``refresh_counter``."""
+    U's refresh schedule, on the optimizer's ``refresh_counter``."""
 
     def __init__(self, model, opt):
         self.model, self.opt = model, opt
+        self.schedule = opt.preconditioner.schedule
 
     def counter_index(self):
         counter = self.opt.refresh_counter
         return next((i for i, v in enumerate(self.model.optimizer.variables) if v is counter), None)
 
     def restart(self):
-        self.opt.refresh_bounds.forget()
+        self.schedule.forget()
 
     def next_step(self, read_counter, can_read):
-        return self.opt.refresh_bounds.next_step(read_counter, can_read)
+        return self.schedule.next_step(read_counter, can_read)
 
 
 def gate_preparation(model):
     """JAX: ``fit``'s steps that cannot need the optimizer's
-    ``prepare_step`` (no LLQR refresh due: the host's ``refresh_bounds``
-    rule it out) run a compiled step without that branch. Applied once per
+    ``prepare_step`` (no LLQR refresh due: the host bounds of U's
+    refresh schedule rule it out) run a compiled step without that branch. Applied once per
     train function. The bounds restart at every ``make_train_function``
     (each ``fit`` and ``train_on_batch``) and, on JAX, whenever Keras hands
     the step a counter it did not return (state re-read from the variables).
@@ -261,7 +270,7 @@ def gate_preparation(model):
     fn = model.train_function
     if opt is None or not opt.prepares_steps or fn is None:
         return
-    opt.refresh_bounds.forget()  # the counter may have been set since the last call
+    opt.preconditioner.schedule.forget()  # the counter may have been set since the last call
     if getattr(fn, "_geosam_gated", False):
         return
     gated = backend.gate_preparation(fn, _RefreshGate(model, opt))
@@ -273,29 +282,30 @@ def gate_preparation(model):
 def stateless_train_step(model, state, data):
     """JAX: the same core on explicit state, returning new state. A batch
     marked by ``gate_preparation`` skips ``prepare_step`` (at trace time)."""
-    tv, ntv, opt_vars, mv = state
+    trainable, non_trainable, opt_vars, metric_values = state
     data, prepare = backend.unwrap_unprepared(data)
-    x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     outer = model.optimizer
     opt, lso = unwrap(outer)
     before = list(opt_vars)
     with keras.StatelessScope(state_mapping=list(zip(outer.variables, opt_vars))) as scope:
         if prepare:
-            opt.prepare_step(model, tv, ntv, x, y)
+            opt.prepare_step(model, trainable, non_trainable, x, y)
         scale = None if lso is None else ops.convert_to_tensor(lso.dynamic_scale)
-        r = two_pass(model, opt, tv, ntv, mv, x, y, sw, scale)
+        result = two_pass(model, opt, trainable, non_trainable, metric_values, x, y, sample_weight, scale)
     # prepare_step may have written optimizer state (a refreshed U).
     opt_vars = [scope.get_current_value(v) for v in outer.variables]
     opt_mapping = list(zip(outer.variables, opt_vars))
 
     def apply():
-        mapping = opt_mapping + list(zip(opt._trainable_variables, tv))
+        built_for = keras_internals.optimizer_trainable_variables(opt)
+        mapping = opt_mapping + list(zip(built_for, trainable))
         with keras.StatelessScope(state_mapping=mapping) as scope:
-            opt.apply_two_pass(r["g_c"], r["g_p"], opt._trainable_variables)
+            opt.apply_two_pass(result.grads_centre, result.grads_perturbed, built_for)
             if lso is not None:
                 _loss_scale_grow(lso)
         return (
-            [scope.get_current_value(v) for v in opt._trainable_variables],
+            [scope.get_current_value(v) for v in built_for],
             [scope.get_current_value(v) for v in outer.variables],
         )
 
@@ -304,13 +314,13 @@ def stateless_train_step(model, state, data):
         # prepare_step (U and the refresh count as they were).
         with keras.StatelessScope(state_mapping=list(zip(outer.variables, before))) as scope:
             if lso is not None:
-                lso._stateful_handle_non_finite_grads()
-        return list(tv), [scope.get_current_value(v) for v in outer.variables]
+                keras_internals.handle_non_finite_grads(lso)
+        return list(trainable), [scope.get_current_value(v) for v in outer.variables]
 
-    new_tv, new_opt_vars = ops.cond(r["finite"], apply, skip)
-    new_ntv = [ops.where(r["finite"], n, o) for n, o in zip(r["ntv"], ntv)]
-    logs, new_mv = update_metrics(model, r["mv"], r, x, y, sw)
-    return logs, (new_tv, new_ntv, new_opt_vars, new_mv)
+    new_trainable, new_opt_vars = ops.cond(result.finite, apply, skip)
+    new_non_trainable = [ops.where(result.finite, n, o) for n, o in zip(result.non_trainable, non_trainable)]
+    logs, new_metric_values = update_metrics(model, result.metric_values, result, x, y, sample_weight)
+    return logs, (new_trainable, new_non_trainable, new_opt_vars, new_metric_values)
 
 
 @backend.traced  # RefreshMonitor leaves a TensorFlow trace out of a refresh's time

@@ -262,11 +262,6 @@ def unflatten(matrix, shapes):
     return out
 
 
-def inner(a, b):
-    """Per-vector inner products of two blocks: (k,) tensor."""
-    return sum(ops.sum(ops.reshape(x * y, (ops.shape(x)[0], -1)), axis=1) for x, y in zip(a, b))
-
-
 def per_tensor_inner(a, b):
     """(k, len(a)) tensor of per-tensor inner products of two blocks."""
     return ops.stack([ops.sum(ops.reshape(x * y, (ops.shape(x)[0], -1)), axis=1) for x, y in zip(a, b)], axis=1)

@@ -29,11 +29,12 @@ from keras_geosam._checks import check_int
 from keras_geosam.curvature import probes
 from keras_geosam.curvature import weights as token_weights
 from keras_geosam.curvature.capture import Capture
-from keras_geosam.curvature.functional import batches
+from keras_geosam.curvature.data import DEFAULT_BATCH_SIZE
+from keras_geosam.curvature.data import batches
 from keras_geosam.curvature.functional import check_data
 from keras_geosam.curvature.functional import check_labels
 from keras_geosam.curvature.functional import model_functions
-from keras_geosam.curvature.functional import num_examples
+from keras_geosam.curvature.data import num_examples
 from keras_geosam.curvature.losses import require_classifier
 from keras_geosam.curvature.losses import require_gauss_newton
 from keras_geosam.curvature.operators.base import LinearOperator
@@ -45,7 +46,6 @@ from keras_geosam.curvature.operators.structured import BlockDiagonal
 from keras_geosam.curvature.operators.structured import Diagonal
 
 KINDS = ("exact", "mc", "empirical")
-DEFAULT_BATCH_SIZE = 256
 # Above this many classes the probe-free exact parts sample labels instead
 # of one backward column per class (a language model's vocabulary).
 MAX_EXACT_CLASSES = 64
@@ -181,7 +181,7 @@ class Hessian(ModelOperator):
     """
 
     def _matmat_batch(self, params, nt, vectors, xb, yb, swb, offset):
-        return self.fns.kernel("hvp_batched")(params, nt, vectors, xb, yb, swb)
+        return self.fns.kernel(self.fns.hvp_batched_body)(params, nt, vectors, xb, yb, swb)
 
 
 class GGNResidual(ModelOperator):
@@ -223,7 +223,7 @@ class GGNResidual(ModelOperator):
         require_classifier(self.fns.spec, "GGNResidual")
 
     def _matmat_batch(self, params, nt, vectors, xb, yb, swb, offset):
-        return self.fns.kernel("residual_batched")(params, nt, vectors, xb, yb, swb)
+        return self.fns.kernel(self.fns.residual_batched_body)(params, nt, vectors, xb, yb, swb)
 
 
 class GGN(ModelOperator):
@@ -274,8 +274,7 @@ class GGN(ModelOperator):
     def __init__(self, model, x, y=None, kind="exact", num_samples=1, seed=0, loss=None, batch_size=None, training=False,
                  sample_weight=None):
         check_kind(kind)
-        if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
-            raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}.")
+        check_int("num_samples", num_samples)
         self.needs_labels = kind == "empirical"
         super().__init__(model, x, y, loss, batch_size, training, sample_weight)
         if kind == "exact":
@@ -294,14 +293,14 @@ class GGN(ModelOperator):
         return ops.cast(offset, "int32")  # a replica's own offset
 
     def _matmat_batch(self, params, nt, vectors, xb, yb, swb, offset):
-        kernel = self.fns.kernel("ggn_batched", kind=self.kind, num_samples=self.num_samples)
+        kernel = self.fns.kernel(self.fns.ggn_batched_body, kind=self.kind, num_samples=self.num_samples)
         return kernel(params, nt, vectors, xb, yb if self.kind == "empirical" else None, self._key, self._offset(offset), sw=swb)
 
     # ------------------------------------------ exact, probe-free parts ----
     @property
     def capture(self):
         if self._capture is None:
-            self._capture = _capture_of(self.fns)
+            self._capture = capture_of(self.fns)
         return self._capture
 
     def statistics(self, **options):
@@ -518,7 +517,7 @@ def _add_stats(a, b):
     return out
 
 
-def _capture_of(fns):
+def capture_of(fns):
     if getattr(fns, "_capture", None) is None:
         fns._capture = Capture(fns)
     return fns._capture

@@ -569,10 +569,6 @@ class BlockDiagonal(LinearOperator):
             print_fn("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip())
 
     # Learnable layout: [(block class, shape, split)] with one tensor per block.
-    @staticmethod
-    def param_specs_of(layout):
-        return [spec for cls, shape, split in layout for spec in cls.param_specs(shape, split)]
-
     @classmethod
     def from_params(cls, layout, params, paths=None):
         blocks, i = [], 0
