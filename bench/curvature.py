@@ -332,8 +332,8 @@ def run_backend(args):
         vrng = np.random.default_rng(3)
         vectors = [ops.convert_to_tensor(vrng.standard_normal((1,) + tuple(v.shape)).astype("float32")) for v in fns.variables]
         key, offset = kg.curvature.probes.key(0, "labels"), ops.convert_to_tensor(0, "int32")
-        k_grad, k_hvp = fns.kernel("loss_and_grad"), fns.kernel("hvp_batched")
-        k_ggn = fns.kernel("ggn_batched", kind="exact", num_samples=1)
+        k_grad, k_hvp = fns.kernel(fns.loss_and_grad_body), fns.kernel(fns.hvp_batched_body)
+        k_ggn = fns.kernel(fns.ggn_batched_body, kind="exact", num_samples=1)
         r = {"num_params": int(sum(math.prod(v.shape) for v in fns.variables))}
         calls = {
             "grad": lambda: k_grad(params, nt, x, y),

@@ -439,7 +439,7 @@ def time_kfac_floor(keras, np, model, x, y, repeats=15):
 
     sync = lambda out: keras.ops.convert_to_numpy(out[0] if isinstance(out, (list, tuple)) else out)  # noqa: E731
     fns = model_functions(model)
-    grad = fns.kernel("loss_and_grad")
+    grad = fns.kernel(fns.loss_and_grad_body)
     params, nt = fns.params(), fns.non_trainable()
     xb, yb = keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y)
     P = model.optimizer.preconditioner
