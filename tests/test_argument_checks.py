@@ -35,7 +35,7 @@ def test_check_number_bounds_and_none():
     with pytest.raises(ValueError, match="> 0"):
         check_number("eta", 0.0, strict=True)
     with pytest.raises(ValueError, match="< 1"):
-        check_number("momentum", 1.0, below=1.0)
+        check_number("momentum", 1.0, below=1)
     assert check_number("rtol", None, allow_none=True) is None
     with pytest.raises(ValueError, match="rtol must be a number, got None"):
         check_number("rtol", None)

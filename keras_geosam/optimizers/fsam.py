@@ -71,7 +71,7 @@ class FSAM(TwoPassOptimizer):
         super().__init__(base_optimizer, bn_stats=bn_stats, dropout=dropout, perturbation=perturbation, name=name, **kwargs)
         self.rho = check_number("rho", rho)
         self.sigma = check_number("sigma", sigma)
-        self.momentum = check_number("momentum", momentum, below=1.0)
+        self.momentum = check_number("momentum", momentum, below=1)
 
     # d = g - sigma m and the EMA scatter a sparse g into the dense average.
     sparse_gradients = True

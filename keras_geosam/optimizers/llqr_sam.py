@@ -102,7 +102,7 @@ class LLQRSAM(PreconditionedOptimizer):
         self.ascent = ascent
         self.sam_start_step = check_int("sam_start_step", sam_start_step, 0)
         self.fsam_sigma = check_number("fsam_sigma", fsam_sigma)
-        self.fsam_momentum = check_number("fsam_momentum", fsam_momentum, below=1.0)
+        self.fsam_momentum = check_number("fsam_momentum", fsam_momentum, below=1)
 
     def build_state(self, var_list):
         super().build_state(var_list)

@@ -204,7 +204,7 @@ def resolve_settings(preset=None, **overrides):
     s["min_train_acc"] = check_number("min_train_acc", s["min_train_acc"], 0.0, allow_none=True)
     if s["min_train_acc"] is not None and s["min_train_acc"] > 1:
         raise ValueError(f"min_train_acc must be in [0, 1] (None: twice chance), got {s['min_train_acc']}.")
-    s["confidence"] = check_number("confidence", s["confidence"], 0.0, strict=True, below=1.0)
+    s["confidence"] = check_number("confidence", s["confidence"], 0.0, strict=True, below=1)
     for k in ("batch_sizes", "seeds"):
         s[k] = tuple(int(v) for v in s[k])
     s["learning_rates"] = tuple(float(v) for v in s["learning_rates"])

@@ -153,7 +153,7 @@ def bootstrap_interval(statistic, *samples, n_resamples=2000, confidence=0.95, s
     >>> bool(ci.low <= kendall_tau(x, y)[0] <= ci.high)
     True
     """
-    check_number("confidence", confidence, 0.0, strict=True, below=1.0)
+    check_number("confidence", confidence, 0.0, strict=True, below=1)
     n_resamples = check_int("n_resamples", n_resamples)
     arrays = [np.asarray(a, dtype="float64").ravel() for a in samples]
     if len({a.size for a in arrays}) > 1:
