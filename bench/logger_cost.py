@@ -1,0 +1,133 @@
+"""What `SharpnessLogger` costs on a small Transformer, in training epochs.
+
+The model is the trial Transformer of the sequence-sharpness work (an
+Embedding, one post-LN block with 2-head MultiHeadAttention and a gelu
+feed-forward, mean pooling, 2 classes; 11.2k parameters), trained on 512
+random sequences of 16 tokens at batch 32, with Adam and with LLQR+SAM
+(K-FAC U, refreshed every 100 steps). The logger evaluates K-FAC S_R and
+tr H on 64 of them with its defaults (20 probes a round, rtol 0.05, at most
+100).
+
+Reported per backend, all warm (after the first call, which compiles):
+one training epoch with each optimizer, one logger call, their ratios, and
+each metric's time and probe count. Run:
+``python bench/logger_cost.py [--backends jax,torch]``.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+VOCAB, SEQ, D, HEADS, FF = 96, 16, 32, 2, 64
+N_TRAIN, N_PROBE, BATCH = 512, 64, 32
+METRICS = ("riemannian_sharpness_kfac", "hessian_trace")
+
+
+def build(keras):
+    ids = keras.Input((SEQ,), dtype="int32")
+    h = keras.layers.Embedding(VOCAB, D)(ids)
+    a = keras.layers.MultiHeadAttention(HEADS, D // HEADS)(h, h)
+    h = keras.layers.LayerNormalization()(h + a)
+    f = keras.layers.Dense(FF, activation="gelu")(h)
+    h = keras.layers.LayerNormalization()(h + keras.layers.Dense(D)(f))
+    out = keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(h))
+    return keras.Model(ids, out)
+
+
+def measure(repeats):
+    import numpy as np
+    import keras
+
+    import keras_geosam as kg
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, VOCAB, size=(N_TRAIN, SEQ)).astype("int32")
+    y = (x == 7).any(axis=1).astype("int32")
+    model = build(keras)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    logger = kg.callbacks.SharpnessLogger(x[:N_PROBE], y[:N_PROBE], metrics=METRICS)
+    sam = kg.attach(build(keras))
+    sam.compile(optimizer=kg.optimizers.LLQRSAM(keras.optimizers.Adam(1e-3), rho=0.05, structure="kfac",
+                                                refresh_every=100),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    epochs = {"adam": [], "llqrsam": []}
+    for name, m in (("adam", model), ("llqrsam", sam)):
+        m.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)  # compiles the step
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            m.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+            epochs[name].append(time.perf_counter() - t0)
+    logger.set_model(model)
+    first = time.perf_counter()
+    logger.compute()
+    first = time.perf_counter() - first
+    calls, per_metric = [], {}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for name in METRICS:
+            one = kg.callbacks.SharpnessLogger(x[:N_PROBE], y[:N_PROBE], metrics=(name,))
+            one.set_model(model)
+            s = time.perf_counter()
+            values = one.compute()
+            per_metric.setdefault(name, []).append(time.perf_counter() - s)
+        calls.append(time.perf_counter() - t0)
+    estimates = {}
+    for name in METRICS:
+        fn = {"riemannian_sharpness_kfac": lambda: kg.sharpness.riemannian_sharpness(
+                  model, x[:N_PROBE], y[:N_PROBE], metric="kfac", seed=0),
+              "hessian_trace": lambda: kg.sharpness.hessian_trace(model, x[:N_PROBE], y[:N_PROBE], seed=0)}[name]
+        est = fn()
+        estimates[name] = {"value": float(est.value), "stderr": float(est.stderr), "samples": int(est.num_samples)}
+    epoch = {k: float(np.median(v)) for k, v in epochs.items()}
+    call = float(np.median(calls))
+    return {
+        "backend": keras.backend.backend(),
+        "params": int(model.count_params()),
+        "epoch_s": epoch,
+        "logger_s": call,
+        "ratio": {k: call / v for k, v in epoch.items()},
+        "first_call_s": first,
+        "per_metric_s": {k: float(np.median(v)) for k, v in per_metric.items()},
+        "estimates": estimates,
+        "last_values": values,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backends", default="jax,tensorflow,torch")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", help=argparse.SUPPRESS)  # set by the per-backend parent
+    args = ap.parse_args()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(measure(args.repeats), f)
+        return
+    from _backends import run_each_backend
+
+    results, failed = run_each_backend(__file__, ["--repeats", str(args.repeats)], args.backends.split(","))
+    print(f"SharpnessLogger ({', '.join(METRICS)}) on {N_PROBE} sequences vs one epoch of "
+          f"{N_TRAIN} sequences (batch {BATCH}), warm; medians of {args.repeats}.")
+    print("| backend | epoch s: Adam, LLQR+SAM | logger s | logger / epoch: Adam, LLQR+SAM | first call s | "
+          "per metric s (probes; one probe in Adam steps) |")
+    print("|---|---:|---:|---:|---:|---|")
+    for r in results:
+        step = r["epoch_s"]["adam"] / (N_TRAIN // BATCH)
+        per = ", ".join(f"{k} {v:.2f} ({n} probes, {v / max(n, 1) / step:.1f} Adam steps each)"
+                        for k, v in r["per_metric_s"].items() for n in [r["estimates"][k]["samples"]])
+        e, q = r["epoch_s"], r["ratio"]
+        print(f"| {r['backend']} | {e['adam']:.3f}, {e['llqrsam']:.3f} | {r['logger_s']:.2f} | "
+              f"{q['adam']:.1f}, {q['llqrsam']:.1f} | {r['first_call_s']:.1f} | {per} |")
+    if failed:
+        print(f"failed: {', '.join(failed)}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
