@@ -360,7 +360,7 @@ def run_backend(args):
             est, dt = median_time(unsplit, R)
             r["probe_s"], r["trace_unsplit"], r["trace_unsplit_stderr"] = dt / P, est.value, est.stderr
             for metric in ("diagonal", "kfac"):
-                fn = lambda metric=metric: S.riemannian_sharpness(model, x_np, y_np, metric=metric, batch_size=batch_of(name))
+                fn = lambda structure=metric: S.riemannian_sharpness(model, x_np, y_np, structure=metric, batch_size=batch_of(name))
                 fn()
                 est, r[f"sr_{metric}_s"] = median_time(fn, R)
                 r[f"sr_{metric}"], r[f"sr_{metric}_stderr"], r[f"sr_{metric}_probes"] = est.value, est.stderr, est.num_samples

@@ -370,8 +370,8 @@ def estimator_rows(keras, kg, np, b, policy, build, x, y, cfg):
     n = int(x.shape[0])
     calls = {  # one pass over the batch each (batch_size = batch)
         "hessian_trace": lambda: S.hessian_trace(model, x, y, batch_size=n),
-        "sr_diagonal": lambda: S.riemannian_sharpness(model, x, y, metric="diagonal", batch_size=n),
-        "sr_kfac": lambda: S.riemannian_sharpness(model, x, y, metric="kfac", batch_size=n),
+        "sr_diagonal": lambda: S.riemannian_sharpness(model, x, y, structure="diagonal", batch_size=n),
+        "sr_kfac": lambda: S.riemannian_sharpness(model, x, y, structure="kfac", batch_size=n),
         "fisher_diagonal": lambda: S.fisher_diagonal(model, x, batch_size=n),
     }
     rows = [dict(base, kind="baseline", name="sgd", ms=sgd_ms, baseline_ms=sgd_ms, ratio=1.0)]

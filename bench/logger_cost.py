@@ -80,7 +80,7 @@ def measure(repeats):
     estimates = {}
     for name in METRICS:
         fn = {"riemannian_sharpness_kfac": lambda: kg.sharpness.riemannian_sharpness(
-                  model, x[:N_PROBE], y[:N_PROBE], metric="kfac", seed=0),
+                  model, x[:N_PROBE], y[:N_PROBE], structure="kfac", seed=0),
               "hessian_trace": lambda: kg.sharpness.hessian_trace(model, x[:N_PROBE], y[:N_PROBE], seed=0)}[name]
         est = fn()
         estimates[name] = {"value": float(est.value), "stderr": float(est.stderr), "samples": int(est.num_samples)}

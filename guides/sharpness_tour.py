@@ -120,7 +120,7 @@ def main(argv=None):
     """
     for name, model in (("relu", relu), ("tanh", smooth)):
         for metric in ("diagonal", "kfac"):
-            est = sharpness.riemannian_sharpness(model, xp, yp, metric=metric)
+            est = sharpness.riemannian_sharpness(model, xp, yp, structure=metric)
             print(f"3. {name} {metric:8s} S_R = {est.format()}  exact part {est.info['exact_part']:.4g}, "
                   f"residual exact: {est.info['residual_exact']}, probes {est.num_samples}")
             out[f"sr_{name}_{metric}"] = [est.value, est.stderr, est.info["exact_part"]]
@@ -170,15 +170,15 @@ def main(argv=None):
     before = {
         "trace": sharpness.hessian_trace(relu, xp, yp).value,
         "lambda_max": sharpness.hessian_max_eigenvalue(relu, xp, yp).value,
-        "sr_kfac": sharpness.riemannian_sharpness(relu, xp, yp, metric="kfac").value,
-        "riemannian_lambda_max": sharpness.riemannian_max_eigenvalue(relu, xp, yp, metric="kfac").value,
+        "sr_kfac": sharpness.riemannian_sharpness(relu, xp, yp, structure="kfac").value,
+        "riemannian_lambda_max": sharpness.riemannian_max_eigenvalue(relu, xp, yp, structure="kfac").value,
     }
     kg.reparam.rescale(relu, relu.layers[0], 10.0)
     after = {
         "trace": sharpness.hessian_trace(relu, xp, yp).value,
         "lambda_max": sharpness.hessian_max_eigenvalue(relu, xp, yp).value,
-        "sr_kfac": sharpness.riemannian_sharpness(relu, xp, yp, metric="kfac").value,
-        "riemannian_lambda_max": sharpness.riemannian_max_eigenvalue(relu, xp, yp, metric="kfac").value,
+        "sr_kfac": sharpness.riemannian_sharpness(relu, xp, yp, structure="kfac").value,
+        "riemannian_lambda_max": sharpness.riemannian_max_eigenvalue(relu, xp, yp, structure="kfac").value,
     }
     for key in before:
         print(f"6. {key:22s} before {before[key]:.6g}  after x10 rescaling {after[key]:.6g}  "

@@ -7,7 +7,9 @@ does. ``allow_none`` lets ``None`` through unchanged (a documented default
 such as "no tolerance").
 """
 
+import functools
 import numbers
+import warnings
 
 
 def check_number(name, value, minimum=0.0, strict=False, below=None, allow_none=False):
@@ -47,3 +49,27 @@ def check_choice(name, value, choices):
     if value not in choices:
         raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}.")
     return value
+
+
+def renamed_arguments(**old_to_new):
+    """Decorator: keyword ``old`` still works as a deprecated alias of
+    ``new`` (a ``DeprecationWarning`` names both); passing both is a
+    ``TypeError``, as a duplicate keyword is. Positions do not change, so
+    positional calls are unaffected."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            for old, new in old_to_new.items():
+                if old in kwargs:
+                    if new in kwargs:
+                        raise TypeError(f"{fn.__name__}() got both {new!r} and its deprecated alias {old!r}.")
+                    warnings.warn(f"{fn.__name__}({old}=...) is deprecated; use {new}=... (same meaning).",
+                                  DeprecationWarning, stacklevel=2)
+                    kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        call.renamed_arguments = dict(old_to_new)
+        return call
+
+    return wrap

@@ -353,15 +353,15 @@ def final_metrics(model, train, test, xp, yp, args, num_classes):
     kw = dict(num_probes=args.num_probes, seed=args.seed)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*piecewise linear.*")
-        d = S.riemannian_sharpness(model, xp, yp, metric="diagonal", damping=0.0, **kw)
+        d = S.riemannian_sharpness(model, xp, yp, structure="diagonal", damping=0.0, **kw)
         estimates = {
             "S_R diag": d,
-            "S_R diag damped": S.riemannian_sharpness(model, xp, yp, metric="diagonal", damping=damping, **kw),
-            "S_R mc(8) damped": S.riemannian_sharpness(model, xp, yp, metric="diagonal", fisher="mc", num_samples=8, damping=damping, **kw),
-            "S_R kfac": S.riemannian_sharpness(model, xp, yp, metric="kfac", damping=damping, **kw),
+            "S_R diag damped": S.riemannian_sharpness(model, xp, yp, structure="diagonal", damping=damping, **kw),
+            "S_R mc(8) damped": S.riemannian_sharpness(model, xp, yp, structure="diagonal", kind="mc", num_samples=8, damping=damping, **kw),
+            "S_R kfac": S.riemannian_sharpness(model, xp, yp, structure="kfac", damping=damping, **kw),
             "tr H": S.hessian_trace(model, xp, yp, **kw),
             "lambda_max": S.hessian_max_eigenvalue(model, xp, yp, seed=args.seed),
-            "lambda_max R": S.riemannian_max_eigenvalue(model, xp, yp, metric="kfac", damping=damping, seed=args.seed),
+            "lambda_max R": S.riemannian_max_eigenvalue(model, xp, yp, structure="kfac", damping=damping, seed=args.seed),
         }
     for name, est in estimates.items():
         out[name] = float(est.value)
@@ -492,7 +492,7 @@ def main(argv=None):
         _reexec_under(args.backend, argv)
     import keras_geosam
 
-    keras_geosam._load_all()
+    keras_geosam._startup.load_all()
     run(args)
     return 0
 

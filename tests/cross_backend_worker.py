@@ -60,11 +60,11 @@ def compute():
     steps = {
         "trace_probes": lambda: estimate(ks.hessian_trace(model, x, y, split=False, **probed)),
         "trace_split": lambda: estimate(ks.hessian_trace(model, x, y, **probed)),
-        "sr_diag": lambda: estimate(ks.riemannian_sharpness(model, x, y, metric="diagonal", **probed)),
+        "sr_diag": lambda: estimate(ks.riemannian_sharpness(model, x, y, structure="diagonal", **probed)),
         # K-FAC at damping 0.1: a damped inverse of condition ~1/damping
         # turns float32 rounding of the factors (1e-7) into 1/damping x
         # that; at the default 1e-3 backends agree to ~2e-4, not 1e-5.
-        "sr_kfac": lambda: estimate(ks.riemannian_sharpness(model, x, y, metric="kfac", damping=0.1, **probed)),
+        "sr_kfac": lambda: estimate(ks.riemannian_sharpness(model, x, y, structure="kfac", damping=0.1, **probed)),
         "fisher_mc": lambda: flat(ks.fisher_diagonal(model, x, kind="mc", num_samples=2, seed=5)),
         "loss_grad": lambda: kc.loss_and_gradient(model, x, y),
         "hvp": lambda: flat(kc.hvp(model, x, y, vec)),
@@ -113,8 +113,8 @@ def transformer(out, errors, flat, rows, estimate):
         "lm_ggnvp": lambda: flat(kc.ggnvp(model, x, y, vec, **kw)),
         "lm_per_example": lambda: rows(kc.per_example_gradients(model, x, y, **kw)),
         "lm_trace_split": lambda: estimate(ks.hessian_trace(model, x, y, **probed)),
-        "lm_sr_diag": lambda: estimate(ks.riemannian_sharpness(model, x, y, metric="diagonal", damping=0.1, **probed)),
-        "lm_sr_kfac": lambda: estimate(ks.riemannian_sharpness(model, x, y, metric="kfac", damping=0.1, **probed)),
+        "lm_sr_diag": lambda: estimate(ks.riemannian_sharpness(model, x, y, structure="diagonal", damping=0.1, **probed)),
+        "lm_sr_kfac": lambda: estimate(ks.riemannian_sharpness(model, x, y, structure="kfac", damping=0.1, **probed)),
         "lm_fisher_mc": lambda: flat(ks.fisher_diagonal(model, x, kind="mc", num_samples=2, seed=5, **kw)),
     }
     collect(out, errors, steps, flat, rows, prefix="lm_")

@@ -18,8 +18,8 @@ def estimates(model, x, y, batch_size=12):
     out = {}
     for name, est in (
         ("hessian_trace", lambda: kg.sharpness.hessian_trace(model, x, y, **common)),
-        ("rs_kfac", lambda: kg.sharpness.riemannian_sharpness(model, x, y, metric="kfac", **common)),
-        ("rs_diagonal", lambda: kg.sharpness.riemannian_sharpness(model, x, y, metric="diagonal", **common)),
+        ("rs_kfac", lambda: kg.sharpness.riemannian_sharpness(model, x, y, structure="kfac", **common)),
+        ("rs_diagonal", lambda: kg.sharpness.riemannian_sharpness(model, x, y, structure="diagonal", **common)),
     ):
         e = est()
         out[name] = [float(e.value), float(e.stderr)]

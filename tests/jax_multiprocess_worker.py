@@ -72,7 +72,7 @@ def sharpness(model, x, y):
     out = {}
     est = kg.sharpness.hessian_trace(model, x, y, num_probes=4, rtol=None, seed=3)
     out["hessian_trace"] = [est.value, est.stderr]
-    est = kg.sharpness.riemannian_sharpness(model, x, y, metric="kfac", num_probes=4, rtol=None, seed=3)
+    est = kg.sharpness.riemannian_sharpness(model, x, y, structure="kfac", num_probes=4, rtol=None, seed=3)
     out["riemannian_sharpness"] = [est.value, est.stderr]
     diag = kg.sharpness.fisher_diagonal(model, x, y)
     out["fisher_diagonal"] = np.concatenate([np.ravel(np.asarray(d, "float64")) for d in diag]).tolist()

@@ -83,3 +83,33 @@ def test_optimizer_constructors_refuse_bad_hyperparameters():
     ]:
         with pytest.raises(ValueError, match=arg):
             make()
+
+
+def test_renamed_keywords_one_name_each_old_names_still_work():
+    """One keyword per idea: ``structure=`` for the block family (as LLQR's
+    U), ``kind=`` for the Fisher kind (as ``fisher_diagonal``); the old
+    ``metric=`` / ``fisher=`` give the same number with a
+    DeprecationWarning, and passing both names is a TypeError."""
+    model, x, y = _model_and_data()
+    S = kg.sharpness
+    new = S.riemannian_sharpness(model, x, y, structure="kfac", kind="mc", num_probes=2, rtol=None)
+    with pytest.warns(DeprecationWarning, match=r"metric=\.\.\.\) is deprecated; use structure="):
+        old = S.riemannian_sharpness(model, x, y, metric="kfac", fisher="mc", num_probes=2, rtol=None)
+    assert (old.value, old.stderr) == (new.value, new.stderr) and old.info["metric"] == "kfac"
+    with pytest.warns(DeprecationWarning, match="fisher="):
+        old = S.riemannian_max_eigenvalue(model, x, y, metric="kfac", fisher="empirical", max_iter=3)
+    assert old.value == S.riemannian_max_eigenvalue(model, x, y, structure="kfac", kind="empirical", max_iter=3).value
+    with pytest.warns(DeprecationWarning, match="fisher="):
+        old = S.fisher_metric(model, x, y, structure="kfac", fisher="empirical")
+    assert old.info == S.fisher_metric(model, x, y, structure="kfac", kind="empirical").info == {"metric_fisher": "empirical"}
+    with pytest.warns(DeprecationWarning, match="fisher="):
+        old = S.gradient_noise_alignment(model, x, y, 4, num_batches=3, fisher="empirical")
+    assert old.fisher == "empirical" and old.alpha == S.gradient_noise_alignment(model, x, y, 4, num_batches=3, kind="empirical").alpha
+    with pytest.raises(TypeError, match="got both 'structure' and its deprecated alias 'metric'"):
+        S.riemannian_sharpness(model, x, y, structure="kfac", metric="kfac")
+    with pytest.raises(ValueError, match=r"structure of the metric must be one of .*got 'full'"):
+        S.riemannian_sharpness(model, x, y, structure="full")
+    # the signature readers see is the new one
+    import inspect
+    params = inspect.signature(S.riemannian_sharpness).parameters
+    assert "structure" in params and "kind" in params and "metric" not in params

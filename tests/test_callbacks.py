@@ -120,7 +120,7 @@ def test_other_metrics_and_options():
     hist = model.fit(x, y, epochs=1, verbose=0, callbacks=[logger])
     lam = ks.hessian_max_eigenvalue(model, x, y, max_iter=10, seed=1)
     sr = ks.riemannian_sharpness(model, x, y, damping=1e-3, num_probes=3, seed=1)
-    kf = ks.riemannian_sharpness(model, x, y, metric="kfac", num_probes=3, seed=1)
+    kf = ks.riemannian_sharpness(model, x, y, structure="kfac", num_probes=3, seed=1)
     assert _rel(hist.history["s/lambda_max"][0], lam.value) < TOL
     assert _rel(hist.history["s/riemannian_sharpness"][0], sr.value) < TOL
     assert _rel(hist.history["s/riemannian_sharpness_kfac"][0], kf.value) < TOL

@@ -147,10 +147,10 @@ def test_every_curvature_function_and_estimator_runs_on_keras_hub_models(name):
         }
         estimates = {
             "hessian_trace": ks.hessian_trace(model, x, y, **probed),
-            "sr_diagonal": ks.riemannian_sharpness(model, x, y, metric="diagonal", **probed),
-            "sr_kfac": ks.riemannian_sharpness(model, x, y, metric="kfac", **probed),
+            "sr_diagonal": ks.riemannian_sharpness(model, x, y, structure="diagonal", **probed),
+            "sr_kfac": ks.riemannian_sharpness(model, x, y, structure="kfac", **probed),
             "lambda_max": ks.hessian_max_eigenvalue(model, x, y, max_iter=3, **kw),
-            "riemannian_lambda_max": ks.riemannian_max_eigenvalue(model, x, y, metric="kfac", max_iter=3, **kw),
+            "riemannian_lambda_max": ks.riemannian_max_eigenvalue(model, x, y, structure="kfac", max_iter=3, **kw),
         }
         alignment = ks.gradient_noise_alignment(model, x, y, batch_size=4, num_batches=3, **kw)
     for key, arrays in results.items():

@@ -87,7 +87,7 @@ def test_a_wide_dense_layer_gets_a_gram_block_with_the_same_sharpness(float64, r
         a, b = K.inverse(damping, relative=True), direct.inverse(damping, relative=True)
         assert ref.rel_err(a.to_dense(), b.to_dense()) <= 1e-8
         assert G.trace_with(a)[0] == pytest.approx(G.trace_with(b)[0], rel=1e-8)
-    est = ks.riemannian_sharpness(model, x, y, metric="kfac", damping=0.0, num_probes=2, rtol=None)
+    est = ks.riemannian_sharpness(model, x, y, structure="kfac", damping=0.0, num_probes=2, rtol=None)
     Minv = direct.inverse(0.0, relative=True).to_dense()
     assert est.info["num_excluded"] == int(np.sum(np.abs(np.linalg.eigvalsh(Minv)) < 1e-300 + 1e-12 * np.abs(Minv).max()))
     assert est.info["exact_part"] == pytest.approx(G.trace_with(direct.inverse(0.0, relative=True))[0], rel=1e-8)

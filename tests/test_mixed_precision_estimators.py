@@ -35,8 +35,8 @@ def _model(policy, weights=None):
 def _values(model, x, y):
     out = {
         "hessian_trace": kg.sharpness.hessian_trace(model, x, y, num_probes=10, rtol=None, seed=1),
-        "rs_kfac": kg.sharpness.riemannian_sharpness(model, x, y, metric="kfac", damping=0.1, num_probes=10, rtol=None, seed=1),
-        "rs_diagonal": kg.sharpness.riemannian_sharpness(model, x, y, metric="diagonal", damping=0.1, num_probes=10, rtol=None, seed=1),
+        "rs_kfac": kg.sharpness.riemannian_sharpness(model, x, y, structure="kfac", damping=0.1, num_probes=10, rtol=None, seed=1),
+        "rs_diagonal": kg.sharpness.riemannian_sharpness(model, x, y, structure="diagonal", damping=0.1, num_probes=10, rtol=None, seed=1),
     }
     out = {k: float(v.value) for k, v in out.items()}
     out["fisher_diagonal"] = np.concatenate([np.ravel(d) for d in kg.sharpness.fisher_diagonal(model, x, y)])

@@ -139,7 +139,7 @@ def test_the_exact_part_under_each_metric_equals_its_dense_formula(case, metric)
     exact, parts = kc.GGN(model, x, sample_weight=sw).trace_with(Minv)
     Mi = Minv.to_dense()
     assert ref.rel_err(exact, np.trace(Mi @ G)) <= 10 * tol
-    est = ks.riemannian_sharpness(model, x, y, metric=metric, num_probes=8, rtol=None, seed=2, sample_weight=sw)
+    est = ks.riemannian_sharpness(model, x, y, structure=metric, num_probes=8, rtol=None, seed=2, sample_weight=sw)
     assert ref.rel_err(est.info["exact_part"], np.trace(Mi @ G)) <= 10 * tol
     assert est.info["exact_part_stderr"] == 0.0 and est.info["residual_exact"] is False
     assert est.info["residual"] == pytest.approx(est.value - est.info["exact_part"], rel=1e-12)
@@ -210,15 +210,15 @@ def test_a_sampled_exact_part_is_unbiased_with_an_honest_stderr():
     est = ks.hessian_trace(model, x, y, num_probes=4, rtol=None)
     assert est.info["exact_part_sampled"] and est.info["exact_part_stderr"] > 0
     assert est.stderr == pytest.approx(np.hypot(est.info["exact_part_stderr"], est.info["residual_stderr"]))
-    sr = ks.riemannian_sharpness(model, x, y, metric="kfac", num_probes=4, rtol=None)
+    sr = ks.riemannian_sharpness(model, x, y, structure="kfac", num_probes=4, rtol=None)
     assert sr.info["metric_fisher"].startswith("mc: 8 labels per token")
 
 
 def test_the_same_seed_gives_the_same_estimates_and_labels_again():
     model, x, y, _ = _lm()
     kw = dict(num_probes=6, rtol=None, seed=7)
-    a = ks.riemannian_sharpness(model, x, y, metric="kfac", **kw)
-    b = ks.riemannian_sharpness(model, x, y, metric="kfac", **kw)
+    a = ks.riemannian_sharpness(model, x, y, structure="kfac", **kw)
+    b = ks.riemannian_sharpness(model, x, y, structure="kfac", **kw)
     np.testing.assert_array_equal(a.samples, b.samples)
     assert a.value == b.value
 
@@ -237,7 +237,7 @@ def _functions(model, x, y, sw=None):
         "per_example_gradients": lambda: kc.per_example_gradients(model, x, y, **kw),
         "Hessian": lambda: kc.Hessian(model, x, y, **kw),
         "hessian_trace": lambda: ks.hessian_trace(model, x, y, num_probes=2, rtol=None, **kw),
-        "riemannian_sharpness": lambda: ks.riemannian_sharpness(model, x, y, metric="kfac", num_probes=2, rtol=None, **kw),
+        "riemannian_sharpness": lambda: ks.riemannian_sharpness(model, x, y, structure="kfac", num_probes=2, rtol=None, **kw),
         "fisher_diagonal": lambda: ks.fisher_diagonal(model, x, y, kind="empirical", **kw),
         "hessian_max_eigenvalue": lambda: ks.hessian_max_eigenvalue(model, x, y, max_iter=2, **kw),
     }
@@ -277,7 +277,7 @@ def test_the_probe_free_path_validates_like_the_probed_one(fn, path):
     call = {
         "hessian_trace": lambda x, y: ks.hessian_trace(model, x, y, num_probes=2, rtol=None),
         "riemannian_sharpness": lambda x, y: ks.riemannian_sharpness(model, x, y, num_probes=2, rtol=None),
-        "riemannian_sharpness_kfac": lambda x, y: ks.riemannian_sharpness(model, x, y, metric="kfac", num_probes=2, rtol=None),
+        "riemannian_sharpness_kfac": lambda x, y: ks.riemannian_sharpness(model, x, y, structure="kfac", num_probes=2, rtol=None),
     }[fn]
     est = call(x, y)
     assert (est.num_samples == 0) == (path == "exact")
@@ -318,7 +318,7 @@ def test_a_residual_that_outweighs_the_ggn_part_is_said_once_and_logged_in_parts
     model, x, y, _ = _lm()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        est = ks.riemannian_sharpness(model, x, y, metric="kfac", num_probes=10, rtol=0.05, max_probes=20)
+        est = ks.riemannian_sharpness(model, x, y, structure="kfac", num_probes=10, rtol=0.05, max_probes=20)
     said = [str(w.message) for w in caught if "This means" in str(w.message)]
     info = est.info
     assert abs(info["residual"]) > abs(info["exact_part"]) or not info["rtol_reached"]

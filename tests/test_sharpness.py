@@ -521,7 +521,7 @@ def test_riemannian_max_eigenvalue_matches_eigh(name, metric):
     case = get_case(name)
     _, isq = explicit_metric(case, metric, 1e-2)
     want = np.linalg.eigvalsh(isq @ case.hessian() @ isq)[-1]
-    est = ks.riemannian_max_eigenvalue(case.model, case.x, case.y, metric=metric, damping=1e-2, tol=1e-6)
+    est = ks.riemannian_max_eigenvalue(case.model, case.x, case.y, structure=metric, damping=1e-2, tol=1e-6)
     assert est.value == pytest.approx(want, rel=1e-5)
     assert est.info["metric"] == metric and est.info["damping"] == 1e-2
     # Not the Euclidean one.
@@ -618,7 +618,7 @@ def test_riemannian_split_against_dense(name, metric, damping):
     inv, isq = explicit_metric(case, metric, d)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        est = ks.riemannian_sharpness(case.model, case.x, case.y, metric=metric, damping=damping, num_probes=8, rtol=None, seed=2)
+        est = ks.riemannian_sharpness(case.model, case.x, case.y, structure=metric, damping=damping, num_probes=8, rtol=None, seed=2)
     # A (pseudo-)inverse of condition up to ~1/damping amplifies input errors:
     # float64-exact models are held to 1e-7, Keras-float32 ones to 1e-5.
     tol = 1e-7 if case.tol == EXACT else 1e-5
@@ -643,7 +643,7 @@ def test_riemannian_split_against_dense(name, metric, damping):
 def test_riemannian_unsplit_probe_by_probe(name, metric):
     case = get_case(name)
     _, isq = explicit_metric(case, metric, 1e-3)
-    est = ks.riemannian_sharpness(case.model, case.x, case.y, metric=metric, split=False, num_probes=6, rtol=None, seed=4)
+    est = ks.riemannian_sharpness(case.model, case.x, case.y, structure=metric, split=False, num_probes=6, rtol=None, seed=4)
     expected = quad(ref.hash_probes(4, case.shapes, 6), isq @ case.hessian() @ isq)
     assert rel(est.samples, expected) < (1e-7 if case.tol == EXACT else 1e-5)
     assert est.info["split"] is False
@@ -652,7 +652,7 @@ def test_riemannian_unsplit_probe_by_probe(name, metric):
 def test_riemannian_empirical_metric():
     case = get_case("sigmoid_mlp")
     inv, _ = explicit_metric(case, "diagonal", 1e-3, kind="empirical")
-    est = ks.riemannian_sharpness(case.model, case.x, case.y, fisher="empirical", num_probes=4, rtol=None)
+    est = ks.riemannian_sharpness(case.model, case.x, case.y, kind="empirical", num_probes=4, rtol=None)
     assert est.info["exact_part"] == pytest.approx(np.trace(inv @ case.fisher_exact()), rel=1e-7 if case.tol == EXACT else 1e-5)
     assert est.info["fisher"] == "empirical"
 
@@ -671,7 +671,7 @@ def test_metric_counts_add_up_and_match_the_dense_metric(metric):
     for damping in (0.0, 0.1):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            info = ks.riemannian_sharpness(case.model, case.x, case.y, metric=metric, damping=damping,
+            info = ks.riemannian_sharpness(case.model, case.x, case.y, structure=metric, damping=damping,
                                            num_probes=2, rtol=None).info
         assert info["num_nonzero_fisher"] + info["num_zero_fisher"] == info["num_params"] == case.num_params
         assert info["num_nonzero_fisher"] == rank, (damping, info)
@@ -695,7 +695,7 @@ def test_riemannian_reports_excluded_parameters():
 @pytest.mark.parametrize("metric", ["diagonal", "kfac"])
 def test_default_riemannian_sharpness_does_not_depend_on_the_seed(name, metric):
     case = get_case(name)
-    values = [ks.riemannian_sharpness(case.model, case.x, case.y, metric=metric, seed=s).value for s in (0, 1, 123)]
+    values = [ks.riemannian_sharpness(case.model, case.x, case.y, structure=metric, seed=s).value for s in (0, 1, 123)]
     assert values[0] == values[1] == values[2]
 
 
@@ -707,7 +707,7 @@ def test_riemannian_invariant_under_dinh_rescaling(metric, damping):
     scale. tr H changes by more than 10x."""
     case = get_case("relu_mlp")
     d1 = case.model.layers[0]
-    kw = dict(metric=metric, damping=damping)
+    kw = dict(structure=metric, damping=damping)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -735,7 +735,7 @@ def test_riemannian_probes_invariant_under_dinh_rescaling(fisher):
     all of H (split=False) is unchanged by per-coordinate rescalings, with
     Monte-Carlo labels too (fixed seed)."""
     case = get_case("relu_mlp")
-    kw = dict(fisher=fisher, damping=0.0, split=False, num_probes=10, rtol=None, seed=5)
+    kw = dict(kind=fisher, damping=0.0, split=False, num_probes=10, rtol=None, seed=5)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
@@ -904,7 +904,7 @@ def test_riemannian_exact_matches_pinv(fisher, damping):
     else:
         lam = damping * np.mean(np.clip(np.linalg.eigvalsh(G), 0, None))
         expected = np.trace(np.linalg.solve(G + lam * np.eye(len(G)), H))
-    est = ks.riemannian_sharpness(case.model, case.x, case.y, metric="exact", fisher=fisher, damping=damping)
+    est = ks.riemannian_sharpness(case.model, case.x, case.y, structure="exact", kind=fisher, damping=damping)
     # a (pseudo-)inverse amplifies the input errors: 1e-7 for float64-exact
     # models (observed ~3e-9), 1e-5 where Keras runs the model in float32
     # (observed ~1e-6)
@@ -925,7 +925,7 @@ def test_riemannian_exact_matches_pinv(fisher, damping):
 def test_riemannian_exact_refuses_large_models():
     case = get_case("sigmoid_mlp")
     with pytest.raises(ValueError, match="max_params"):
-        ks.riemannian_sharpness(case.model, case.x, case.y, metric="exact", max_params=case.num_params - 1)
+        ks.riemannian_sharpness(case.model, case.x, case.y, structure="exact", max_params=case.num_params - 1)
 
 
 def test_riemannian_validation():

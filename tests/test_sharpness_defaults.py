@@ -87,7 +87,7 @@ def model(name):
 @pytest.mark.parametrize("metric", ["diagonal", "kfac"])
 def test_default_sharpness_of_relu_nets_does_not_depend_on_the_seed(name, metric):
     m, x, y = model(name)
-    values = [ks.riemannian_sharpness(m, x, y, metric=metric, seed=s) for s in (0, 1, 2)]
+    values = [ks.riemannian_sharpness(m, x, y, structure=metric, seed=s) for s in (0, 1, 2)]
     for e in values:
         assert e.info["residual_exact"] and e.stderr == 0.0 and e.num_samples == 0
         assert e.value == pytest.approx(values[0].value, rel=1e-4)
@@ -103,7 +103,7 @@ def test_default_sharpness_of_smooth_nets_is_positive_and_resolved(name, metric)
     assert not ks.is_layerwise_linear(m)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # rtol reached within max_probes
-        est = [ks.riemannian_sharpness(m, x, y, metric=metric, seed=s) for s in range(8)]
+        est = [ks.riemannian_sharpness(m, x, y, structure=metric, seed=s) for s in range(8)]
     values = np.array([e.value for e in est])
     stderr = np.array([e.stderr for e in est])
     assert np.all(values > 0), values
@@ -131,7 +131,7 @@ def test_no_while_loop_warnings_from_conv_curvature():
     try:
         m, x, y = model("relu_cnn")
         ks.fisher_diagonal(m, x, y)
-        ks.riemannian_sharpness(m, x, y, metric="kfac")
+        ks.riemannian_sharpness(m, x, y, structure="kfac")
         ks.hessian_trace(m, x, y, split=False, num_probes=2, rtol=None)
         from keras_geosam import curvature
 

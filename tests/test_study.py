@@ -418,7 +418,7 @@ def test_sharpness_is_measured_on_training_examples_by_default():
     probe = probe_subset((x, y), (xt, yt), settings["probe_size"], settings["probe_data"])
     assert np.array_equal(probe[0], x[: settings["probe_size"]])
     row = grid.measure_run(model, (x, y), (xt, yt), probe, settings, 32, 0.1, seed=0, num_classes=classes)
-    by_hand = S.riemannian_sharpness(model, x[:48], y[:48], metric="kfac", damping=settings["damping"],
+    by_hand = S.riemannian_sharpness(model, x[:48], y[:48], structure="kfac", damping=settings["damping"],
                                      num_probes=settings["num_probes"], seed=0)
     assert row["sr_kfac"] == pytest.approx(float(by_hand.value), rel=1e-6)
     tr = S.hessian_trace(model, x[:48], y[:48], num_probes=settings["num_probes"], seed=0)

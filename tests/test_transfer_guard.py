@@ -167,8 +167,8 @@ def test_estimators_make_no_implicit_transfer_per_batch(monkeypatch, device_data
     if device_data:
         x, y = jax.device_put(x), jax.device_put(y)
     kg.sharpness.hessian_trace(model, x, y, batch_size=8, num_probes=4, rtol=None)
-    kg.sharpness.riemannian_sharpness(model, x, y, metric="kfac", batch_size=8, num_probes=4, rtol=None)
-    kg.sharpness.riemannian_sharpness(model, x, y, metric="diagonal", batch_size=8, num_probes=4, rtol=None)
+    kg.sharpness.riemannian_sharpness(model, x, y, structure="kfac", batch_size=8, num_probes=4, rtol=None)
+    kg.sharpness.riemannian_sharpness(model, x, y, structure="diagonal", batch_size=8, num_probes=4, rtol=None)
     kg.sharpness.fisher_diagonal(model, x, y, batch_size=8)
     kg.sharpness.fisher_diagonal(model, x, y, kind="mc", batch_size=8)
     assert len(guarded) >= 5 * 4  # four guarded batches per pass over the data

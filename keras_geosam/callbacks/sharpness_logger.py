@@ -22,11 +22,11 @@ _SPLIT = ("hessian_trace", "riemannian_sharpness", "riemannian_sharpness_kfac")
 _METRICS = {
     "hessian_trace": (sharpness.hessian_trace, {}, True, False),
     "lambda_max": (sharpness.hessian_max_eigenvalue, {}, False, False),
-    "riemannian_sharpness": (sharpness.riemannian_sharpness, {"metric": "diagonal"}, True, True),
-    "riemannian_sharpness_kfac": (sharpness.riemannian_sharpness, {"metric": "kfac"}, True, True),
-    "riemannian_sharpness_exact": (sharpness.riemannian_sharpness, {"metric": "exact"}, False, True),
-    "riemannian_lambda_max": (sharpness.riemannian_max_eigenvalue, {"metric": "diagonal"}, False, True),
-    "riemannian_lambda_max_kfac": (sharpness.riemannian_max_eigenvalue, {"metric": "kfac"}, False, True),
+    "riemannian_sharpness": (sharpness.riemannian_sharpness, {"structure": "diagonal"}, True, True),
+    "riemannian_sharpness_kfac": (sharpness.riemannian_sharpness, {"structure": "kfac"}, True, True),
+    "riemannian_sharpness_exact": (sharpness.riemannian_sharpness, {"structure": "exact"}, False, True),
+    "riemannian_lambda_max": (sharpness.riemannian_max_eigenvalue, {"structure": "diagonal"}, False, True),
+    "riemannian_lambda_max_kfac": (sharpness.riemannian_max_eigenvalue, {"structure": "kfac"}, False, True),
 }
 
 

@@ -16,6 +16,7 @@ import scipy.stats
 from keras import ops
 
 from keras_geosam._checks import check_int
+from keras_geosam._checks import renamed_arguments
 from keras_geosam.curvature import loss_and_gradient
 from keras_geosam.curvature.data import num_examples
 from keras_geosam.curvature.functional import progbar
@@ -82,8 +83,9 @@ def _cos(a, b):
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-300))
 
 
+@renamed_arguments(fisher="kind")
 def gradient_noise_alignment(
-    model, x, y, batch_size, num_batches=64, fisher="exact", learning_rate=None,
+    model, x, y, batch_size, num_batches=64, kind="exact", learning_rate=None,
     num_samples=1, seed=0, eval_batch_size=_common.DEFAULT_BATCH_SIZE, loss=None, verbose=0, sample_weight=None,
 ):
     """Compares minibatch gradient noise with the Fisher diagonal.
@@ -91,7 +93,7 @@ def gradient_noise_alignment(
     Draws `num_batches` minibatches of `batch_size` examples without
     replacement from ``(x, y)``, measures the variance of their gradients
     around the full-data gradient, and compares it with the Fisher diagonal
-    of kind `fisher` on the same data. Sampling theory predicts ``alpha``
+    of kind `kind` on the same data. Sampling theory predicts ``alpha``
     near ``(1/B)(N-B)/(N-1)`` for a calibrated model (module doc).
 
     Args:
@@ -100,11 +102,11 @@ def gradient_noise_alignment(
         x, y: the data minibatches are drawn from.
         batch_size: B, smaller than the number of examples.
         num_batches: minibatches drawn. Defaults to `64`.
-        fisher: Fisher kind, ``"exact"``, ``"mc"`` or ``"empirical"``.
-            Defaults to ``"exact"``.
+        kind: Fisher kind, ``"exact"``, ``"mc"`` or ``"empirical"``
+            (``fisher=`` is a deprecated alias). Defaults to ``"exact"``.
         learning_rate: eta for the ``eta/B`` column. Defaults to `None`
             (the compiled optimizer's, if any).
-        num_samples: labels per example for ``fisher="mc"``. Defaults to
+        num_samples: labels per example for ``kind="mc"``. Defaults to
             `1`.
         seed: seeds the minibatch draw and sampled labels. Defaults to `0`.
         eval_batch_size: examples per streamed batch for the full-data
@@ -122,7 +124,7 @@ def gradient_noise_alignment(
 
     Raises:
         ValueError: if `batch_size` or `num_batches` is not an integer >= 1,
-            `batch_size` is not smaller than the data, `fisher` is unknown,
+            `batch_size` is not smaller than the data, `kind` is unknown,
             the loss is not a categorical cross-entropy, the model is not
             built, or the data is invalid (lengths differ, non-finite
             inputs, labels that are not class ids of the model).
@@ -160,7 +162,7 @@ def gradient_noise_alignment(
         if bar is not None:
             bar.add(1)
     var /= num_batches
-    F = np.concatenate([f.ravel() for f in fisher_diagonal(model, x, y, kind=fisher, num_samples=num_samples, seed=seed,
+    F = np.concatenate([f.ravel() for f in fisher_diagonal(model, x, y, kind=kind, num_samples=num_samples, seed=seed,
                                                            batch_size=eval_batch_size, loss=loss, sample_weight=sample_weight)])
     emp = np.concatenate([f.ravel() for f in fisher_diagonal(model, x, y, kind="empirical", batch_size=eval_batch_size, loss=loss,
                                                              sample_weight=sample_weight)])
@@ -188,7 +190,7 @@ def gradient_noise_alignment(
         batch_size=batch_size,
         num_batches=num_batches,
         num_examples=n,
-        fisher=fisher,
+        fisher=kind,
         noise_variance=var,
         fisher_diagonal=F,
     )

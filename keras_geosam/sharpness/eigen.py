@@ -3,6 +3,7 @@
 
 from keras_geosam._checks import check_int
 from keras_geosam._checks import check_number
+from keras_geosam._checks import renamed_arguments
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.functional import progbar
 from keras_geosam.curvature.losses import require_classifier
@@ -74,7 +75,8 @@ def hessian_max_eigenvalue(model, x, y, max_iter=100, tol=1e-3, seed=0, batch_si
     return _lanczos(op, x, max_iter, tol, seed, batch_size, max_memory, verbose)
 
 
-def riemannian_max_eigenvalue(model, x, y, metric="diagonal", fisher="exact", damping=None, max_iter=100, tol=1e-3,
+@renamed_arguments(metric="structure", fisher="kind")
+def riemannian_max_eigenvalue(model, x, y, structure="diagonal", kind="exact", damping=None, max_iter=100, tol=1e-3,
                               num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None,
                               max_memory=DEFAULT_MAX_MEMORY, verbose=0, sample_weight=None,
                               max_exact_classes=MAX_EXACT_CLASSES, exact_samples=8):
@@ -89,14 +91,16 @@ def riemannian_max_eigenvalue(model, x, y, metric="diagonal", fisher="exact", da
         model: a built classifier compiled with a categorical cross-entropy
             (on logits or softmax outputs).
         x, y: data (streamed in `batch_size` pieces).
-        metric: ``"diagonal"`` or ``"kfac"``. Defaults to ``"diagonal"``.
-        fisher: Fisher kind behind M, ``"exact"``, ``"mc"`` or
-            ``"empirical"``. Defaults to ``"exact"``.
+        structure: block structure of M, ``"diagonal"`` or ``"kfac"``
+            (``metric=`` is a deprecated alias). Defaults to ``"diagonal"``.
+        kind: Fisher kind behind M, ``"exact"``, ``"mc"`` or
+            ``"empirical"`` (``fisher=`` is a deprecated alias). Defaults
+            to ``"exact"``.
         damping: relative damping of each block of M (>= 0). Defaults to
             `None` (1e-3).
         max_iter, tol, seed, batch_size, loss, max_memory, verbose: as for
             :func:`hessian_max_eigenvalue`.
-        num_samples: labels per example for ``fisher="mc"``. Defaults to
+        num_samples: labels per example for ``kind="mc"``. Defaults to
             `1`.
         sample_weight, max_exact_classes, exact_samples: as for
             :func:`riemannian_sharpness`.
@@ -107,7 +111,7 @@ def riemannian_max_eigenvalue(model, x, y, metric="diagonal", fisher="exact", da
 
     Raises:
         ValueError: if `max_iter` is not an integer >= 1, `tol` is not
-            positive, `damping` is negative, `metric` or `fisher` is
+            positive, `damping` is negative, `structure` or `kind` is
             unknown, the loss is not a categorical cross-entropy, the model
             is not built, or the data is invalid (lengths differ, non-finite
             inputs, labels that are not class ids of the model).
@@ -119,7 +123,7 @@ def riemannian_max_eigenvalue(model, x, y, metric="diagonal", fisher="exact", da
     >>> y = rng.integers(0, 3, size=8)
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer="zeros")])
     >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    >>> est = kg.sharpness.riemannian_max_eigenvalue(model, x, y, metric="diagonal")
+    >>> est = kg.sharpness.riemannian_max_eigenvalue(model, x, y, structure="diagonal")
     >>> round(est.value, 3), est.info["metric"]
     (2.859, 'diagonal')
     """
@@ -128,10 +132,10 @@ def riemannian_max_eigenvalue(model, x, y, metric="diagonal", fisher="exact", da
     require_classifier(fns.spec, "riemannian_max_eigenvalue")
     damping = DEFAULT_DAMPING if damping is None else check_number("damping", damping, 0.0)
     _common.check_inputs(model, x, y, loss, sample_weight)
-    M = fisher_metric(model, x, y, metric, fisher, num_samples, seed, batch_size, loss, sample_weight=sample_weight,
+    M = fisher_metric(model, x, y, structure, kind, num_samples, seed, batch_size, loss, sample_weight=sample_weight,
                       max_exact_classes=max_exact_classes, exact_samples=exact_samples)
     S = M.inverse_sqrt(damping, relative=True)
     op = S @ Hessian(model, x, y, loss=loss, batch_size=batch_size, sample_weight=sample_weight) @ S
     est = _lanczos(op, x, max_iter, tol, seed, batch_size, max_memory, verbose)
-    est.info.update(metric=metric, fisher=fisher, damping=damping, **M.info)
+    est.info.update(metric=structure, fisher=kind, damping=damping, **M.info)
     return est

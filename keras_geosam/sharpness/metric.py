@@ -19,14 +19,16 @@ from keras_geosam.curvature.operators import GGN
 from keras_geosam.curvature.operators import BlockDiagonal
 from keras_geosam.curvature.operators import Diagonal
 from keras_geosam.curvature.operators.model import MAX_EXACT_CLASSES
+from keras_geosam._checks import renamed_arguments
 from keras_geosam.sharpness import _common
 
 STRUCTURES = ("diagonal", "kfac")
 
 
-def fisher_metric(model, x, y=None, structure="diagonal", fisher="exact", num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE,
+@renamed_arguments(fisher="kind")
+def fisher_metric(model, x, y=None, structure="diagonal", kind="exact", num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE,
                   loss=None, sample_weight=None, max_exact_classes=MAX_EXACT_CLASSES, exact_samples=8):
-    """The Fisher metric of kind `fisher` with the given block `structure`.
+    """The Fisher metric of kind `kind` with the given block `structure`.
 
     Args:
         model, x, y, num_samples, seed, batch_size, loss: as for
@@ -34,12 +36,13 @@ def fisher_metric(model, x, y=None, structure="diagonal", fisher="exact", num_sa
         structure: ``"diagonal"`` or ``"kfac"`` (K-FAC blocks on
             Dense/Conv/EinsumDense kernels, diagonal blocks elsewhere).
             Defaults to ``"diagonal"``.
-        fisher: the Fisher kind, ``"exact"``, ``"mc"`` or ``"empirical"``.
-            Defaults to ``"exact"``.
+        kind: the Fisher kind, ``"exact"``, ``"mc"`` or ``"empirical"``
+            (as for :func:`fisher_diagonal`; ``fisher=`` is a deprecated
+            alias). Defaults to ``"exact"``.
         sample_weight: weights of the loss terms (``(N,)`` or per token).
             Defaults to `None`.
         max_exact_classes, exact_samples: above `max_exact_classes` output
-            classes, ``fisher="exact"`` draws `exact_samples` labels per
+            classes, ``kind="exact"`` draws `exact_samples` labels per
             token from the model (one backward column each) instead of one
             column per class and position; ``M.info`` says so. Defaults to
             `64` and `8`.
@@ -71,10 +74,10 @@ def fisher_metric(model, x, y=None, structure="diagonal", fisher="exact", num_sa
     if structure not in STRUCTURES:
         raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}.")
     _common.require_fisher(model, loss, "fisher_metric")
-    G = GGN(model, x, y, kind=fisher, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size,
+    G = GGN(model, x, y, kind=kind, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size,
             sample_weight=sample_weight)
-    info = {"metric_fisher": fisher}
-    if fisher == "exact" and G.num_classes > max_exact_classes:
+    info = {"metric_fisher": kind}
+    if kind == "exact" and G.num_classes > max_exact_classes:
         G = G.sampled(exact_samples, G._key)
         info["metric_fisher"] = (
             f"mc: {exact_samples} labels per token drawn from the model "

@@ -1,6 +1,7 @@
 """Riemannian (Fisher-geometric) sharpness S_R = tr(M^{-1} H).
 
-Metrics M (``metric=``):
+Metrics M (``structure=``, the block structure of M; ``metric=`` is a
+deprecated alias):
 
 - ``"diagonal"`` (the paper's estimator): M = diag(Fisher);
 - ``"kfac"``: K-FAC blocks on Dense/Conv/EinsumDense kernels, diagonal
@@ -30,6 +31,7 @@ from keras import ops
 
 from keras_geosam._checks import check_int
 from keras_geosam._checks import check_number
+from keras_geosam._checks import renamed_arguments
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.losses import require_classifier
 from keras_geosam.curvature.operators import EKFAC
@@ -85,8 +87,9 @@ def _metric_info(M, Minv, damping, rcond):
             "num_excluded": num_params - used}
 
 
+@renamed_arguments(metric="structure", fisher="kind")
 def riemannian_sharpness(
-    model, x, y, metric="diagonal", fisher="exact", damping=None, num_probes=20, rtol=0.05, max_probes=100,
+    model, x, y, structure="diagonal", kind="exact", damping=None, num_probes=20, rtol=0.05, max_probes=100,
     num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, split=True, estimator="hutchinson",
     max_params=4000, rcond=None, loss=None, verbose=0, sample_weight=None, max_exact_classes=MAX_EXACT_CLASSES,
     exact_samples=8,
@@ -97,8 +100,10 @@ def riemannian_sharpness(
         model: a built classifier (categorical cross-entropy on logits or
             softmax outputs).
         x, y: data (streamed in `batch_size` pieces).
-        metric: ``"diagonal"`` | ``"kfac"`` | ``"exact"`` (module doc).
-        fisher: Fisher kind behind M: ``"exact"`` | ``"mc"`` | ``"empirical"``.
+        structure: block structure of M, ``"diagonal"`` | ``"kfac"`` |
+            ``"exact"`` (module doc; ``metric=`` is a deprecated alias).
+        kind: Fisher kind behind M: ``"exact"`` | ``"mc"`` | ``"empirical"``
+            (``fisher=`` is a deprecated alias).
         damping: relative damping of each block of M (see
             ``sharpness/metric.py``; default 1e-3, 0 for ``"exact"``);
             ``damping=0`` is a pseudo-inverse that excludes zero-Fisher
@@ -106,11 +111,11 @@ def riemannian_sharpness(
         num_probes, rtol, max_probes: probes for the residual (first round;
             more until ``stderr <= rtol * |S_R|`` or `max_probes`). None of
             them are drawn when the residual is exactly zero.
-        num_samples: labels per example for ``fisher="mc"``.
+        num_samples: labels per example for ``kind="mc"``.
         seed: seeds label draws and probes (the same on every backend).
         split: exact GGN part plus residual (default) or probes on all of H.
         estimator: ``"hutchinson"`` or ``"hutch++"`` for the probed part.
-        max_params: refuse ``metric="exact"`` above this many parameters.
+        max_params: refuse ``structure="exact"`` above this many parameters.
         rcond: pseudo-inverse cutoff relative to each block's largest
             eigenvalue (default: 0 for diagonal blocks; dimension times the
             dtype's epsilon for Kronecker blocks; for ``"exact"`` ten machine
@@ -121,7 +126,7 @@ def riemannian_sharpness(
             (with the model's own mask; ``keras_geosam.curvature.weights``).
             Defaults to `None`.
         max_exact_classes: above this many output classes (a language
-            model's vocabulary), ``fisher="exact"`` quantities sample labels
+            model's vocabulary), ``kind="exact"`` quantities sample labels
             from the model instead of one backward column per class and
             position: the metric from `exact_samples` labels per token, the
             GGN part as the mean of `exact_samples` independent draws, with
@@ -140,10 +145,10 @@ def riemannian_sharpness(
         (also in ``info["residual_warning"]``).
 
     Raises:
-        ValueError: if `metric` or `estimator` is unknown, `num_probes` or
+        ValueError: if `structure`, `kind` or `estimator` is unknown, `num_probes` or
             `max_probes` is not an integer >= 1, `rtol` is not positive,
             `damping` is negative, the loss is not a categorical
-            cross-entropy, ``metric="exact"`` exceeds `max_params`, the
+            cross-entropy, ``structure="exact"`` exceeds `max_params`, the
             model is not built, or the data is invalid (lengths differ,
             non-finite inputs, labels that are not class ids of the model).
 
@@ -154,16 +159,16 @@ def riemannian_sharpness(
     >>> y = rng.integers(0, 3, size=8)
     >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, kernel_initializer="zeros")])
     >>> model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    >>> est = kg.sharpness.riemannian_sharpness(model, x, y, metric="diagonal")
+    >>> est = kg.sharpness.riemannian_sharpness(model, x, y, structure="diagonal")
     >>> est
     Estimate(value=14.9838, stderr=0, num_samples=0, nonzero_fisher=15/15)
     >>> round(est.info["normalized"], 3)  # ~1 per parameter: the piecewise-linear caveat
     0.999
-    >>> round(float(kg.sharpness.riemannian_sharpness(model, x, y, metric="kfac")), 3)
+    >>> round(float(kg.sharpness.riemannian_sharpness(model, x, y, structure="kfac")), 3)
     10.985
     """
-    if metric not in METRICS:
-        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}.")
+    if structure not in METRICS:
+        raise ValueError(f"structure of the metric must be one of {METRICS}, got {structure!r}.")
     num_probes = check_int("num_probes", num_probes)
     check_number("rtol", rtol, 0.0, strict=True, allow_none=True)
     check_int("max_probes", max_probes)
@@ -173,21 +178,21 @@ def riemannian_sharpness(
     require_classifier(fns.spec, "riemannian_sharpness")
     _common.check_inputs(model, x, y, loss, sample_weight)
     _common.warn_if_tiny(x)
-    if metric == "exact":
-        return _exact(model, fns, x, y, fisher, damping or 0.0, num_samples, seed, batch_size, max_params, loss, rcond, sample_weight)
+    if structure == "exact":
+        return _exact(model, fns, x, y, kind, damping or 0.0, num_samples, seed, batch_size, max_params, loss, rcond, sample_weight)
     damping = DEFAULT_DAMPING if damping is None else float(damping)
-    M = fisher_metric(model, x, y, metric, fisher, num_samples, seed, batch_size, loss, sample_weight=sample_weight,
+    M = fisher_metric(model, x, y, structure, kind, num_samples, seed, batch_size, loss, sample_weight=sample_weight,
                       max_exact_classes=max_exact_classes, exact_samples=exact_samples)
     M_inverse = M.inverse(damping, relative=True, rcond=rcond)
 
     def M_inverse_sqrt():  # only the probed parts need it
         return M.inverse_sqrt(damping, relative=True, rcond=rcond)
 
-    info = {"metric": metric, "fisher": fisher, "damping": damping, "damping_relative_to": "each block's mean eigenvalue"}
+    info = {"metric": structure, "fisher": kind, "damping": damping, "damping_relative_to": "each block's mean eigenvalue"}
     info.update(M.info if hasattr(M, "info") else {})
     info.update(_metric_info(M, M_inverse, damping, rcond))
     if split:
-        what = f"riemannian_sharpness (metric={metric!r}, damping={damping:g})"
+        what = f"riemannian_sharpness (structure={structure!r}, damping={damping:g})"
         est = split_trace(model, x, y, M_inverse, M_inverse_sqrt, num_probes, rtol, max_probes, estimator, seed, batch_size, loss, verbose,
                           sample_weight, max_exact_classes, exact_samples, what)
     else:
@@ -202,31 +207,31 @@ def riemannian_sharpness(
     est.info["normalized"] = est.value / max(info["num_nonzero_fisher"], 1)
     pl = is_piecewise_linear(model)
     est.info["piecewise_linear"] = pl
-    if pl and metric == "diagonal" and damping == 0 and fisher == "exact":
+    if pl and structure == "diagonal" and damping == 0 and kind == "exact":
         warnings.warn(
             f"{model.name} is piecewise linear in each parameter (ReLU-type "
             f"activations, no normalisation), so diag H equals the exact "
             f"Fisher diagonal and the undamped diagonal S_R equals the number "
             f"of parameters with nonzero Fisher ({info['num_nonzero_fisher']} of "
             f"{info['num_params']}), whatever the minimum. Compare "
-            f"info['normalized'], use damping>0, metric='kfac' or "
-            f"metric='exact' for an informative value.",
+            f"info['normalized'], use damping>0, structure='kfac' or "
+            f"structure='exact' for an informative value.",
             UserWarning,
             stacklevel=2,
         )
     return est
 
 
-def _exact(model, fns, x, y, fisher, damping, num_samples, seed, batch_size, max_params, loss, rcond, sample_weight=None):
+def _exact(model, fns, x, y, kind, damping, num_samples, seed, batch_size, max_params, loss, rcond, sample_weight=None):
     shapes = [tuple(v.shape) for v in fns.variables]
     dim = sum(int(np.prod(s)) for s in shapes)
     if dim > max_params:
         raise ValueError(
-            f'metric="exact" materialises {dim}x{dim} matrices; the model has '
-            f"{dim} parameters > max_params={max_params}. Use metric='diagonal' "
+            f'structure="exact" materialises {dim}x{dim} matrices; the model has '
+            f"{dim} parameters > max_params={max_params}. Use structure='diagonal' "
             f"or 'kfac', or raise max_params."
         )
-    G = GGN(model, x, y, kind=fisher, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size,
+    G = GGN(model, x, y, kind=kind, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size,
             sample_weight=sample_weight).to_dense(max_dim=max_params)
     G = (G + G.T) / 2
     H = Hessian(model, x, y, loss=loss, batch_size=batch_size, sample_weight=sample_weight).to_dense(max_dim=max_params)
@@ -249,7 +254,7 @@ def _exact(model, fns, x, y, fisher, damping, num_samples, seed, batch_size, max
     info = _common.data_info(x, batch_size)
     info.update(
         metric="exact",
-        fisher=fisher,
+        fisher=kind,
         num_params=dim,
         fisher_rank=int(keep.sum()),
         damping=damping,

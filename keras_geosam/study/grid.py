@@ -379,14 +379,14 @@ def measure_run(model, train, test, probe, settings, batch_size, lr, seed, num_c
         # here); unconverged probe rounds still show in the stderr column.
         warnings.filterwarnings("ignore", message=".*piecewise linear.*")
         warnings.filterwarnings("ignore", category=RuntimeWarning)
-        kfac = S.riemannian_sharpness(model, xp, yp, metric="kfac", damping=damping, **kw)
-        diag = S.riemannian_sharpness(model, xp, yp, metric="diagonal", damping=damping, **kw)
+        kfac = S.riemannian_sharpness(model, xp, yp, structure="kfac", damping=damping, **kw)
+        diag = S.riemannian_sharpness(model, xp, yp, structure="diagonal", damping=damping, **kw)
         _est(row, "sr_kfac", kfac)
         _est(row, "sr_diag", diag)
         _est(row, "trace_h", S.hessian_trace(model, xp, yp, **kw))
         _est(row, "lambda_max", S.hessian_max_eigenvalue(model, xp, yp, max_iter=settings["max_iter"], seed=seed))
         _est(row, "lambda_max_r", S.riemannian_max_eigenvalue(
-            model, xp, yp, metric="kfac", damping=damping, max_iter=settings["max_iter"], seed=seed))
+            model, xp, yp, structure="kfac", damping=damping, max_iter=settings["max_iter"], seed=seed))
         # Minibatch noise needs batches smaller than the subset they are
         # drawn from: at least four batches' worth, when the data has it.
         n_al = min(max(int(settings["alignment_size"]), 4 * int(batch_size)), len(x_tr))
