@@ -2,8 +2,8 @@
 sharpness metrics for every Keras 3 backend."""
 
 import importlib
-import os
-import sys
+
+from keras_geosam import _startup
 
 __version__ = "0.1.0"
 
@@ -16,7 +16,7 @@ __all__ = list(_SUBMODULES) + list(_TRAINING)
 
 
 def __getattr__(name):
-    # Submodules load on first use; see _load_all for when that matters.
+    # Submodules load on first use (PEP 562); _startup says when that matters.
     if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
     if name in _TRAINING:
@@ -28,21 +28,5 @@ def __dir__():
     return sorted(set(globals()) | set(__all__))
 
 
-def _load_all():
-    """Imports everything that registers itself with Keras: the optimizers
-    (for ``keras.saving``) and the attached-model reload hook."""
-    for name in ("backend", "callbacks", "curvature", "datasets", "estimators",
-                 "optimizers", "preconditioner", "reparam", "sharpness", "training"):
-        importlib.import_module(f"{__name__}.{name}")
-
-
-def _command_line_start():
-    # `python -m keras_geosam` sets argv[0] to "-m" while the package loads;
-    # the console script is named keras-geosam. Both parse their arguments
-    # before importing Keras, so `--help` answers without the 2-15 s import.
-    argv0 = sys.argv[0] if sys.argv else ""
-    return argv0 == "-m" or os.path.basename(argv0) in ("keras-geosam", "keras-geosam.exe")
-
-
-if not _command_line_start():
-    _load_all()
+if not _startup.command_line_start():
+    _startup.load_all(__name__)

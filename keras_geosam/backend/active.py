@@ -1,0 +1,166 @@
+"""The active backend's module, chosen once at import time, and the contract
+every backend module (``jax.py``, ``tensorflow.py``, ``torch.py``) keeps.
+
+Everything outside this folder is written in ``keras.ops``; the few things
+Keras does not offer (gradients, Hessian-vector products, vectorised
+per-example gradients, compilation of a pure function) come from the active
+backend's own AD through one thin module each. Every module exposes the same
+functions, all taking a pure function ``f(params, *args)`` where ``params`` is
+a list of backend tensors:
+
+- ``value_and_grad(f, params, *args, has_aux=False, sparse=False)``: with
+  `sparse`, TensorFlow may return a gather's (an Embedding's) gradient as a
+  ``tf.IndexedSlices``; every other derivative below is dense
+- ``densify(x)``: a gradient as a dense tensor (identity but for
+  IndexedSlices); ``scale(x, alpha)``: ``alpha * x``, sparse if `x` is
+- ``jvp(f, params, tangents, *args)`` -> ``(f(params), J tangents)``
+- ``vjp(f, params, cotangent, *args)`` -> ``J^T cotangent`` (list)
+- ``hvp(f, params, vectors, *args)`` -> Hessian of scalar ``f`` times ``vectors``
+- ``hvp_batched(f, params, vectors, *args)`` -> the same for vectors with a
+  leading probe axis k, linearising ``f`` once for all of them
+- ``value_and_vjp(f, params, *args)`` -> ``(f(params), pull)``, ``pull(c)``
+  = J^T c from the same forward pass
+- ``linearize(f, params, *args)`` -> ``(f(params), jvp_fn, vjp_fn)``: J t and
+  J^T c of a tensor-valued ``f``, both reusing one forward pass
+- ``vjp_batched(f, params, *args, has_aux=False)`` -> ``(value, aux,
+  pullback)`` where ``pullback(cotangents)`` takes cotangents with a leading
+  axis k and may be called repeatedly on the one forward pass
+- ``eigh(x)`` -> eigenvalues (ascending) and eigenvectors of a symmetric
+  matrix, with the fastest solver for the device
+- ``per_example_grads(f, params, *batch)`` -> gradients of ``f(params, *example)``
+  for every example along axis 0 of ``batch`` (vectorised, no Python loop)
+- ``eager_steps``: True where a train step runs eagerly (torch), so its
+  branches are decided on the host
+- ``slow_convolutions_in_loops``: True where a compiled loop over a
+  convolutional network should be unrolled (XLA:CPU)
+- ``compile(fn)`` -> a compiled version of a pure function (or ``fn`` itself)
+- ``replica_count()`` / ``all_reduce_sum(tensors)``: tf.distribute replicas
+  (a step's gradients are per-replica there); 1 / identity elsewhere
+- ``sum_over_replicas(model, fn, x, y, offset)``: a batch's statistic
+  ``fn(x, y, offset, share)`` computed on every tf.distribute replica's
+  share of the batch and summed (the whole batch elsewhere)
+- ``device_constant(value)``: a NumPy value on the device, placed
+  explicitly (no implicit host transfer inside a loop on JAX)
+- ``distribute_batch(a)``: a streamed data batch as a tensor, split over the
+  devices of an active JAX ``keras.distribution`` (data-parallel estimators)
+- ``data_parallel_shards(model=None)``: devices one process's batch is split over
+  (JAX keras.distribution batch axis, tf.distribute replicas; 1 elsewhere)
+- ``wait_for_step(model)``: blocks until the steps ``fit`` queued have run
+- ``process_count()``: processes in a multi-process JAX job (1 elsewhere)
+- ``save_from_primary(save)``: runs ``save()`` on process 0 only under
+  multi-process JAX (every process waits); ``save()`` elsewhere
+- ``vdot(a, b, dtype=None)``: ``sum_i <a_i, b_i>`` over two lists of
+  like-shaped tensors (norms and dot products of gradients; on torch a few
+  fused calls instead of three Keras ops per tensor; IndexedSlices on
+  TensorFlow without a dense copy)
+- ``sandwich(A, Y, B)``: ``A Y_k B^T`` for every ``Y_k`` of a stack
+  (a Kronecker product; A None drops it): einsum, two matmuls on torch
+- ``add_scaled(y, x, alpha)``: ``y + alpha * x`` for a Python number or a
+  scalar tensor, one pass over memory on eager torch; an IndexedSlices
+  operand is scattered into the dense one
+- ``compile_seconds()``: seconds this process has spent tracing and
+  compiling steps (JAX's monitoring events; TensorFlow's traces of
+  ``traced`` functions; 0 on eager torch), left out of timed steps
+- ``traced(fn)``: `fn`, its runs during a TensorFlow trace counted
+- ``step_timer(model)``: ``(timed, read)``, a device clock for work inside
+  a traced step (TensorFlow's in-graph timestamps, without XLA or
+  tf.distribute), or None
+- ``uncompiled(fn)``: `fn` run eagerly inside a compiled step where the
+  compiler cannot take it (torch.compile: LLQR's in-step refresh); `fn`
+  itself where the step is traced whole (JAX, TensorFlow)
+- ``cond_apply(pred, apply_fn, skip_fn, args, state=())``: a conditional optimizer
+  update that is legal under tf.distribute
+- ``gate_preparation(train_function, gate)`` /
+  ``unwrap_unprepared(data)``: JAX dispatches a step that needs no
+  ``prepare_step`` (no LLQR refresh can be due) to a second compiled
+  program without that branch; identity / ``(data, True)`` elsewhere
+"""
+
+import keras
+
+_name = keras.backend.backend()
+if _name == "jax":
+    from keras_geosam.backend import jax as _impl
+elif _name == "tensorflow":
+    from keras_geosam.backend import tensorflow as _impl
+elif _name == "torch":
+    from keras_geosam.backend import torch as _impl
+else:  # numpy / openvino have no autodiff
+    raise ImportError(
+        f"keras_geosam needs a differentiable Keras backend (jax, tensorflow "
+        f"or torch); KERAS_BACKEND is {_name!r}."
+    )
+
+name = _name
+value_and_grad = _impl.value_and_grad
+jvp = _impl.jvp
+vjp = _impl.vjp
+hvp = _impl.hvp
+hvp_batched = _impl.hvp_batched
+linearize = _impl.linearize
+value_and_vjp = _impl.value_and_vjp
+vjp_batched = _impl.vjp_batched
+per_example_grads = _impl.per_example_grads
+eigh = _impl.eigh
+compile = _impl.compile
+slow_convolutions_in_loops = _impl.slow_convolutions_in_loops
+eager_steps = _impl.eager_steps
+replica_count = _impl.replica_count
+all_reduce_sum = _impl.all_reduce_sum
+cond_apply = _impl.cond_apply
+vdot = _impl.vdot
+add_scaled = _impl.add_scaled
+sandwich = _impl.sandwich
+densify = _impl.densify
+compile_seconds = _impl.compile_seconds
+traced = _impl.traced
+step_timer = _impl.step_timer
+scale = _impl.scale
+uncompiled = _impl.uncompiled
+gate_preparation = _impl.gate_preparation
+unwrap_unprepared = _impl.unwrap_unprepared
+distribute_batch = _impl.distribute_batch
+device_constant = _impl.device_constant
+sum_over_replicas = _impl.sum_over_replicas
+save_from_primary = _impl.save_from_primary
+process_count = _impl.process_count
+wait_for_step = _impl.wait_for_step
+data_parallel_shards = _impl.data_parallel_shards
+
+__all__ = [
+    "name",
+    "value_and_grad",
+    "jvp",
+    "vjp",
+    "hvp",
+    "hvp_batched",
+    "linearize",
+    "value_and_vjp",
+    "vjp_batched",
+    "per_example_grads",
+    "eigh",
+    "compile",
+    "slow_convolutions_in_loops",
+    "eager_steps",
+    "replica_count",
+    "all_reduce_sum",
+    "cond_apply",
+    "vdot",
+    "add_scaled",
+    "sandwich",
+    "densify",
+    "compile_seconds",
+    "traced",
+    "step_timer",
+    "scale",
+    "uncompiled",
+    "gate_preparation",
+    "unwrap_unprepared",
+    "distribute_batch",
+    "device_constant",
+    "sum_over_replicas",
+    "save_from_primary",
+    "process_count",
+    "wait_for_step",
+    "data_parallel_shards",
+]
