@@ -25,13 +25,6 @@ Functional = _Functional
 BUILD_HOOK = "_maybe_symbolic_build"
 
 
-def functional_init_arguments(args, kwargs):
-    """Whether ``Model(*args, **kwargs)`` builds a functional model (Keras'
-    own test in ``Model.__new__``, which it does not export)."""
-    from keras.src.models.model import functional_init_arguments as test
-
-    return test(args, kwargs)
-
 
 def symbolic_build(model, data_batch):
     """Builds `model` (and its compiled metrics) from one batch, as ``fit``
@@ -86,10 +79,6 @@ def losses_override(model, losses):
             model._losses_override = []
 
 
-def loss_tracker(model):
-    """The ``loss`` metric Keras' train step updates (no public handle)."""
-    return model._loss_tracker
-
 
 @contextlib.contextmanager
 def unlocked_tracking(model):
@@ -113,11 +102,6 @@ def optimizer_step_counter(optimizer):
     a division, so it cannot be assigned or located among the variables)."""
     return optimizer._iterations
 
-
-def optimizer_trainable_variables(optimizer):
-    """The variables the optimizer was built for, in order (JAX's stateless
-    apply needs them; the public list holds the optimizer's own state)."""
-    return optimizer._trainable_variables
 
 
 def handle_non_finite_grads(loss_scale_optimizer):
@@ -216,11 +200,8 @@ def checked_names():
     backend = keras.backend.backend()
     checks = [
         ("keras.src.models.functional.Functional", has_module_attr("keras.src.models.functional", "Functional")),
-        ("keras.src.models.model.functional_init_arguments",
-         has_module_attr("keras.src.models.model", "functional_init_arguments")),
         ("Model._symbolic_build", hasattr(model, "_symbolic_build")),
         ("Model._losses_override", hasattr(model, "_losses_override")),
-        ("Model._loss_tracker", hasattr(model, "_loss_tracker")),
         ("Model._tracker", hasattr(model, "_tracker")),
         ("Layer._flatten_layers", hasattr(model, "_flatten_layers")),
         ("Layer._inbound_nodes", hasattr(model.layers[0], "_inbound_nodes")),
@@ -228,7 +209,6 @@ def checked_names():
         ("Layer._build_shapes_dict", hasattr(model.layers[0], "_build_shapes_dict")),
         ("Variable._layout", hasattr(model.weights[0], "_layout")),
         ("Optimizer._iterations", hasattr(opt, "_iterations")),
-        ("Optimizer._trainable_variables", hasattr(opt, "_trainable_variables")),
         ("LossScaleOptimizer._stateful_handle_non_finite_grads", hasattr(lso, "_stateful_handle_non_finite_grads")),
         ("LossFunctionWrapper._fn_kwargs", hasattr(loss, "_fn_kwargs")),
         ("keras.src.backend.common.masking.get_keras_mask",
@@ -261,10 +241,3 @@ def _jax_trainer_sets_state():
     from keras.src.backend.jax import trainer
 
     return "_jax_state" in inspect.getsource(trainer)
-
-
-def call_has_training_arg(layer):
-    """Whether `layer.call` takes ``training`` (Keras works this out from
-    the signature when the layer is created; reading it costs nothing in an
-    eager step, where inspecting the signature would, every step)."""
-    return layer._call_has_training_arg

@@ -13,10 +13,10 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_geosam import keras_internals
 from keras_geosam.curvature.kernels import KernelCache
 from keras_geosam import backend
 from keras_geosam.curvature import probes as _probes
+from keras_geosam.curvature.layers import takes_training
 from keras_geosam.curvature.losses import require_classifier
 from keras_geosam.curvature.losses import require_gauss_newton
 from keras_geosam.curvature.losses import resolve_loss
@@ -110,7 +110,7 @@ class ModelFunctions:
     def outputs(self, params, nt, x):
         # stateless_call reaches call() directly: pass `training` only if
         # the model's call takes it.
-        kwargs = {"training": self.training} if keras_internals.call_has_training_arg(self.model) else {}
+        kwargs = {"training": self.training} if takes_training(self.model) else {}
         out = self.model.stateless_call(params, nt, x, return_losses=True, **kwargs)
         y_pred, _, losses = out
         if isinstance(y_pred, (list, tuple, dict)):

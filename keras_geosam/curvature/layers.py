@@ -40,16 +40,18 @@ The trainable variables of any other layer are "uncovered": their
 per-example gradients come from the backend's vectorised map instead.
 """
 
-KFAC_APPROXIMATIONS = ("expand", "reduce")
-
+import inspect
 import string
 import warnings
+import weakref
 
 import keras
 import numpy as np
 from keras import ops
 
 from keras_geosam import keras_internals
+
+KFAC_APPROXIMATIONS = ("expand", "reduce")
 
 _CONV = (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.Conv3D)
 
@@ -592,3 +594,17 @@ def rules_for(model, training=False):
         if rule is not None and rule.variables:
             out.append(rule)
     return out
+
+
+_TAKES_TRAINING = weakref.WeakKeyDictionary()
+
+
+def takes_training(layer):
+    """Whether ``layer.call`` takes ``training``: a stateless call may pass
+    it only then. Keras' own rule, read from the signature once per layer
+    (an eager torch step would otherwise inspect it every step)."""
+    try:
+        return _TAKES_TRAINING[layer]
+    except KeyError:
+        answer = _TAKES_TRAINING[layer] = "training" in inspect.signature(layer.call).parameters
+        return answer

@@ -58,6 +58,15 @@ def _scaled_is_newest(cls):
     return scaled is not TwoPassOptimizer and issubclass(scaled, _defined_in(cls, "perturbation"))
 
 
+class _Untracked:
+    """A plain holder: Keras' optimizer adopts any variable assigned to it
+    (or held in an assigned list) as its own state, which the model's
+    variables must not become."""
+
+    def __init__(self, items):
+        self.items = tuple(items)
+
+
 class TwoPassOptimizer(keras.optimizers.Optimizer):
     """Base class of the two-pass optimizers: wraps a base optimizer.
 
@@ -240,7 +249,14 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
             raise RuntimeError(_ATTACH_HINT.format(name=type(self).__name__))
         self.base_optimizer.build(var_list)
         super().build(var_list)
+        self._built_for = _Untracked(var_list)
         self.build_state(var_list)
+
+    @property
+    def built_for(self):
+        """The model variables this optimizer was built for, in order (the
+        stateless JAX step maps new values onto them)."""
+        return list(self._built_for.items)
 
     @property
     def variables(self):

@@ -219,6 +219,13 @@ setattr(TwoPassStepMixin, keras_internals.BUILD_HOOK, _build_hook)
 
 
 @keras.saving.register_keras_serializable(package="keras_geosam")
+
+def _functional_arguments(args, kwargs):
+    """Whether ``Model(*args, **kwargs)`` is a functional model's
+    construction: inputs and outputs given, as Keras' ``Model.__new__``
+    decides (it does not export its test)."""
+    return len(args) == 2 or (len(args) == 1 and "outputs" in kwargs) or ("inputs" in kwargs and "outputs" in kwargs)
+
 class Model(TwoPassStepMixin, keras.Model):
     """A ``keras.Model`` with the exact two-pass train step of the SAM family.
 
@@ -261,7 +268,7 @@ class Model(TwoPassStepMixin, keras.Model):
         # keras.Model(inputs, outputs) rebases the class onto Functional in
         # place, which would break `class Net(kg.Model)` for the rest of the
         # process; build functional instances from a fixed subclass instead.
-        if cls is Model and keras_internals.functional_init_arguments(args, kwargs):
+        if cls is Model and _functional_arguments(args, kwargs):
             return keras.Model.__new__(FunctionalModel, *args, **kwargs)
         return super().__new__(cls, *args, **kwargs)
 
