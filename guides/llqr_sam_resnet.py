@@ -451,7 +451,7 @@ def main(argv=None):
       `kg.callbacks.SharpnessLogger.available()`.
     """
     facts["total_seconds"] = time.perf_counter() - start
-    # Arrays for checking the checkpoints from outside (tests/test_guide_resnet.py).
+    # Arrays for checking the checkpoints from outside (tests/guides/test_guide_resnet.py).
     np.savez(os.path.join(args.output, "state.npz"), probe=probe, pred_trained=pred_trained,
              pred_resumed=resumed.predict(probe, verbose=0),
              **{f"u_trained_{i}": u for i, u in enumerate(u_before)})

@@ -1,5 +1,5 @@
 """The guide ``guides/llqr_sam_resnet.py`` in its default small mode, as a
-user runs it (tests/test_guide_resnet.py checks the smoke mode in detail)."""
+user runs it (tests/guides/test_guide_resnet.py checks the smoke mode in detail)."""
 
 import importlib.util
 import math

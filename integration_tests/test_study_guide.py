@@ -1,6 +1,6 @@
 """The guide "Does sharpness predict generalisation?" in its default small
 mode (12 runs on digits; about 1-2 minutes on 2 CPU cores); only with
-KERAS_GEOSAM_SMALL_GUIDES=1 (CI runs its smoke mode in tests/test_study.py).
+KERAS_GEOSAM_SMALL_GUIDES=1 (CI runs its smoke mode in tests/study/test_study.py).
 
 It checks that the study completes and reports, not what the numbers say:
 the guide exists to measure the claim, not to assume it.

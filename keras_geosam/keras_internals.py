@@ -1,7 +1,7 @@
 """Every use of a private Keras name, behind one door.
 
 Each function says why no public API serves. All were checked against
-Keras 3.15.1; ``tests/test_keras_internals.py`` asserts that each name still
+Keras 3.15.1; ``tests/package/test_keras_internals.py`` asserts that each name still
 exists, so a Keras upgrade fails there, with the name, instead of deep
 inside a train step. Nothing else in the package touches ``keras.src`` or a
 private Keras attribute.

@@ -26,20 +26,6 @@ from keras_geosam.curvature.operators.structured import DiagonalInputEKFAC
 from keras_geosam.curvature.operators.structured import DiagonalInputKFAC
 
 __all__ = [
-    "BlockDiagonal",
-    "Dense",
-    "Diagonal",
-    "DiagonalInputEKFAC",
-    "DiagonalInputKFAC",
-    "EKFAC",
-    "Fisher",
-    "GGN",
-    "GGNResidual",
-    "Hessian",
-    "KFAC",
-    "LinearOperator",
-    "ModelOperator",
-    "Product",
-    "Scaled",
-    "Sum",
+    "BlockDiagonal", "Dense", "Diagonal", "DiagonalInputEKFAC", "DiagonalInputKFAC", "EKFAC", "Fisher", "GGN",
+    "GGNResidual", "Hessian", "KFAC", "LinearOperator", "ModelOperator", "Product", "Scaled", "Sum",
 ]

@@ -1,0 +1,152 @@
+"""Trace and eigenvalue estimators on explicit operators.
+
+Every estimator takes any LinearOperator; here the operators are explicit
+float64 matrices (``curvature.Dense``) over a list of two tensors, so the
+exact answers are ``np.trace`` and ``np.linalg.eigh``. Hutchinson is checked
+probe by probe against ``z^T A z`` with the reference hash probes
+(``reference.py``); Hutch++ is exact on operators of rank below its sketch;
+Lanczos matches eigh to its stated tolerance, with and without the stored
+basis. Tolerances: 1e-10 for float64 arithmetic identities, 3 standard errors
+for statistical checks.
+"""
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+from keras import ops
+
+from reference import curvature as ref
+from keras_geosam.curvature import Dense
+from keras_geosam.curvature import Diagonal
+from keras_geosam.estimators import Estimate
+from keras_geosam.estimators import hutchinson
+from keras_geosam.estimators import hutchpp
+from keras_geosam.estimators import lanczos
+
+SHAPES = [(3, 4), (6,)]
+DIM = 18
+EXACT = 1e-10
+
+
+def dense(matrix):
+    return Dense(ops.convert_to_tensor(np.asarray(matrix, np.float64), "float64"), SHAPES)
+
+
+def random_symmetric(seed, spectrum=None):
+    rng = np.random.default_rng(seed)
+    q, _ = np.linalg.qr(rng.normal(size=(DIM, DIM)))
+    w = rng.normal(size=DIM) if spectrum is None else np.asarray(spectrum, float)
+    return (q * w) @ q.T
+
+
+def test_hutchinson_probe_by_probe():
+    A = random_symmetric(0)
+    est = hutchinson(dense(A), num_probes=12, seed=3, paths=["a", "b"])
+    zs = ref.hash_probes(3, SHAPES, 12)
+    want = np.array([ref.flatten(z) @ A @ ref.flatten(z) for z in zs])
+    np.testing.assert_allclose(est.samples, want, rtol=EXACT, atol=EXACT)
+    assert est.value == pytest.approx(want.mean(), rel=EXACT)
+    assert est.stderr == pytest.approx(want.std(ddof=1) / math.sqrt(12), rel=EXACT)
+    assert est.num_samples == 12
+    # per tensor: the diagonal blocks' shares
+    a = np.mean([ref.flatten(z)[:12] @ (A @ ref.flatten(z))[:12] for z in zs])
+    assert est.per_layer["a"] == pytest.approx(a, rel=EXACT)
+    assert est.per_layer["a"] + est.per_layer["b"] == pytest.approx(est.value, rel=EXACT)
+    # another seed, other probes; the shift only moves the value
+    assert not np.allclose(hutchinson(dense(A), num_probes=12, seed=4).samples, est.samples)
+    shifted = hutchinson(dense(A), num_probes=12, seed=3, shift=10.0)
+    assert shifted.value == pytest.approx(est.value + 10.0, rel=EXACT)
+    assert shifted.stderr == pytest.approx(est.stderr, rel=EXACT)
+
+
+def test_hutchinson_is_unbiased_within_its_stderr():
+    A = random_symmetric(1)
+    est = hutchinson(dense(A), num_probes=400, seed=0)
+    assert abs(est.value - np.trace(A)) <= 3 * est.stderr
+    assert est.stderr < 0.5 * np.abs(np.linalg.eigvalsh(A)).sum()  # not vacuous
+
+
+def test_hutchinson_rtol_stops_early_or_warns():
+    # Rademacher probes give a diagonal operator's trace exactly: one round.
+    d = Diagonal([ops.convert_to_tensor(np.arange(1.0, 13.0).reshape(3, 4)), ops.convert_to_tensor(np.ones(6))])
+    est = hutchinson(d, num_probes=4, rtol=1e-3, max_probes=100)
+    assert est.num_samples == 4 and est.stderr == 0.0
+    assert est.value == pytest.approx(78.0 + 6.0, rel=EXACT)
+    # A noisy operator, a loose tolerance: stops at the first round that meets it.
+    A = random_symmetric(2, spectrum=np.linspace(1.0, 2.0, DIM))
+    est = hutchinson(dense(A), num_probes=5, rtol=0.2, max_probes=100)
+    assert est.num_samples < 100 and est.stderr <= 0.2 * abs(est.value)
+    # An unreachable one: max_probes, with a warning.
+    B = random_symmetric(3)
+    with pytest.warns(RuntimeWarning, match="max_probes"):
+        est = hutchinson(dense(B), num_probes=5, rtol=1e-6, max_probes=23)
+    assert est.num_samples == 23
+    with pytest.raises(ValueError, match="rtol"):
+        hutchinson(dense(B), rtol=0.0)
+    with pytest.raises(ValueError, match="num_probes"):
+        hutchinson(dense(B), num_probes=0)
+
+
+def test_hutchpp_is_exact_on_low_rank_operators():
+    spectrum = np.zeros(DIM)
+    spectrum[:3] = [50.0, -20.0, 7.0]
+    A = random_symmetric(4, spectrum)
+    est = hutchpp(dense(A), num_matvecs=12, seed=1)  # sketch of rank 4 > 3
+    assert est.value == pytest.approx(np.trace(A), rel=1e-9, abs=1e-9)
+    assert est.stderr < 1e-9
+    assert est.info["num_matvecs"] == 12
+
+
+def test_hutchpp_beats_hutchinson_on_a_decaying_spectrum():
+    A = random_symmetric(5, 100.0 * 0.5 ** np.arange(DIM))
+    errs_pp, errs_h = [], []
+    for seed in range(10):
+        errs_pp.append(abs(hutchpp(dense(A), num_matvecs=12, seed=seed).value - np.trace(A)))
+        errs_h.append(abs(hutchinson(dense(A), num_probes=12, seed=seed).value - np.trace(A)))
+    assert np.mean(errs_pp) < 0.35 * np.mean(errs_h)
+    with pytest.raises(ValueError, match="num_matvecs"):
+        hutchpp(dense(A), num_matvecs=3)
+
+
+@pytest.mark.parametrize("max_memory", [1 << 30, 1])
+def test_lanczos_top_eigenvalue(max_memory):
+    A = random_symmetric(6, np.concatenate([[9.0, 8.5], np.linspace(-3.0, 3.0, DIM - 2)]))
+    w, v = np.linalg.eigh(A)
+    est = lanczos(dense(A), max_iter=DIM, tol=1e-8, seed=0, max_memory=max_memory)
+    assert est.value == pytest.approx(w[-1], rel=1e-6)
+    assert est.info["converged"]
+    assert est.info["reorthogonalized"] == (max_memory > 1)
+    if max_memory > 1:
+        vec = ref.flatten(est.info["eigenvector"])
+        assert abs(vec @ v[:, -1]) / np.linalg.norm(vec) > 1 - 1e-6
+        assert est.info["basis_bytes"] <= DIM * DIM * 8
+    else:
+        assert est.info["eigenvector"] is None
+        assert est.info["basis_bytes"] == 3 * DIM * 8
+    with pytest.raises(ValueError, match="max_iter"):
+        lanczos(dense(A), max_iter=0)
+    with pytest.raises(ValueError, match="tol"):
+        lanczos(dense(A), tol=0.0)
+
+
+def test_lanczos_stops_on_the_ritz_residual():
+    A = random_symmetric(7, np.concatenate([[100.0], np.linspace(0.0, 1.0, DIM - 1)]))
+    est = lanczos(dense(A), max_iter=DIM, tol=1e-3)
+    assert est.num_samples < DIM
+    assert est.stderr <= 1e-3 * abs(est.value)
+    assert abs(est.value - 100.0) <= est.stderr + 1e-9
+
+
+def test_estimate_format_and_noise_flag():
+    e = Estimate(value=0.5, stderr=0.4, num_samples=10)
+    assert e.within_noise and "(~0)" in e.format() and "within 2 stderr of zero" in repr(e)
+    f = Estimate(value=12.0, stderr=0.5, num_samples=10)
+    assert not f.within_noise and f.format(3) == "12 ± 0.5" and float(f) == 12.0
+    assert f.relative_stderr == pytest.approx(0.5 / 12.0)
+    exact = Estimate(value=3.0, stderr=0.0, num_samples=0)
+    assert "(~0)" not in exact.format()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        repr(exact)
