@@ -218,14 +218,14 @@ def _build_hook(self, iterator=None, data_batch=None):
 setattr(TwoPassStepMixin, keras_internals.BUILD_HOOK, _build_hook)
 
 
-@keras.saving.register_keras_serializable(package="keras_geosam")
-
 def _functional_arguments(args, kwargs):
     """Whether ``Model(*args, **kwargs)`` is a functional model's
     construction: inputs and outputs given, as Keras' ``Model.__new__``
     decides (it does not export its test)."""
     return len(args) == 2 or (len(args) == 1 and "outputs" in kwargs) or ("inputs" in kwargs and "outputs" in kwargs)
 
+
+@keras.saving.register_keras_serializable(package="keras_geosam")
 class Model(TwoPassStepMixin, keras.Model):
     """A ``keras.Model`` with the exact two-pass train step of the SAM family.
 

@@ -8,9 +8,6 @@ Numbers are checked against the float64 NumPy reference in
 never against keras_geosam itself.
 """
 
-import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -18,7 +15,7 @@ import pytest
 
 import keras_geosam as kg
 from reference import two_pass as ref
-from locations import REPO, import_worker, worker_script
+from locations import import_worker, start_on_other_backends
 
 BACKEND = keras.backend.backend()
 from reference.two_pass import ATOL, BN_NET, MLP, RTOL, assert_weights_close, max_abs_diff, sce  # noqa: E402,F401
@@ -525,25 +522,12 @@ def test_functional_and_subclassed_kg_models_train(style):
 
 
 # -------------------------------------------------------- cross-backend ----
-def _run_worker(mode, out, env_extra):
-    env = dict(os.environ, **env_extra)
-    return subprocess.Popen(
-        [sys.executable, worker_script("training_worker.py"), mode, str(out)],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
-
-
 @pytest.mark.cross_backend
 @pytest.mark.skipif(BACKEND != "jax", reason="runs once per suite, from the JAX process")
 def test_same_steps_give_same_parameters_on_all_backends(tmp_path):
-    procs = {b: _run_worker("cross", tmp_path / f"{b}.npz", {"KERAS_BACKEND": b})
-             for b in ("tensorflow", "torch")}
+    collect = start_on_other_backends("training_worker.py", tmp_path, "cross")
     results = {"jax": import_worker("training_worker").cross_backend_results()}
-    for b, p in procs.items():
-        log, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, f"{b} worker failed:\n{log.decode()[-4000:]}"
-        with np.load(tmp_path / f"{b}.npz") as f:
-            results[b] = {k: f[k] for k in f.files}
+    results.update(collect(timeout=300))
     base = results["jax"]
     assert set(base) == {"sam", "asam", "fsam", "fisher"}
     for name, value in base.items():
@@ -559,13 +543,10 @@ def test_same_steps_give_same_parameters_on_all_backends(tmp_path):
 
 @pytest.mark.skipif(BACKEND != "jax", reason="keras.distribution is JAX-only here")
 def test_jax_data_parallel_equals_one_device(tmp_path):
-    out = tmp_path / "dp.npz"
-    p = _run_worker("dp", out, {"KERAS_BACKEND": "jax",
-                                "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
-    log, _ = p.communicate(timeout=300)
-    assert p.returncode == 0, f"data-parallel worker failed:\n{log.decode()[-4000:]}"
-    with np.load(out) as f:
-        single, multi = f["single"], f["multi"]
+    collect = start_on_other_backends("training_worker.py", tmp_path, "dp", backends=("jax",),
+                                      env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    result = collect(timeout=300)["jax"]
+    single, multi = result["single"], result["multi"]
     assert np.all(np.isfinite(single))
     np.testing.assert_allclose(multi, single, rtol=1e-5, atol=1e-6)
 
@@ -648,3 +629,8 @@ def test_loading_without_keras_geosam_names_it(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ), capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "keras_geosam" in out.stderr
+
+
+def test_the_model_classes_are_registered_for_saving():
+    for name, cls in (("Model", kg.Model), ("Sequential", kg.Sequential), ("FunctionalModel", kg.training.models.FunctionalModel)):
+        assert keras.saving.get_registered_object(f"keras_geosam>{name}") is cls, name
