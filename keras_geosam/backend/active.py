@@ -34,6 +34,8 @@ a list of backend tensors:
 - ``slow_convolutions_in_loops``: True where a compiled loop over a
   convolutional network should be unrolled (XLA:CPU)
 - ``compile(fn)`` -> a compiled version of a pure function (or ``fn`` itself)
+- ``compile_reading(fn, variables)`` -> the same for a function that reads
+  Keras `variables`: every call sees their current values
 - ``replica_count()`` / ``all_reduce_sum(tensors)``: tf.distribute replicas
   (a step's gradients are per-replica there); 1 / identity elsewhere
 - ``sum_over_replicas(model, fn, x, y, offset)``: a batch's statistic
@@ -103,6 +105,7 @@ vjp_batched = _impl.vjp_batched
 per_example_grads = _impl.per_example_grads
 eigh = _impl.eigh
 compile = _impl.compile
+compile_reading = _impl.compile_reading
 slow_convolutions_in_loops = _impl.slow_convolutions_in_loops
 eager_steps = _impl.eager_steps
 replica_count = _impl.replica_count
@@ -140,6 +143,7 @@ __all__ = [
     "per_example_grads",
     "eigh",
     "compile",
+    "compile_reading",
     "slow_convolutions_in_loops",
     "eager_steps",
     "replica_count",

@@ -1,6 +1,7 @@
 """JAX specialisation: jax.grad, forward-over-reverse HVP, vmap, jit."""
 
 import jax
+import keras
 
 from keras_geosam import keras_internals
 
@@ -99,6 +100,19 @@ def per_example_grads(f, params, *batch):
 
 def compile(fn):
     return jax.jit(fn)
+
+
+def compile_reading(fn, variables):
+    """`fn` compiled, reading `variables`' values at each call: jit would
+    freeze Keras variables it captures as constants, so their values go in
+    as arguments and a StatelessScope maps them back."""
+
+    @jax.jit
+    def compiled(values, *args):
+        with keras.StatelessScope(state_mapping=list(zip(variables, values))):
+            return fn(*args)
+
+    return lambda *args: compiled([v.value for v in variables], *args)
 
 
 def device_constant(value):

@@ -238,6 +238,11 @@ def compile(fn):
     return fn
 
 
+def compile_reading(fn, variables):
+    """`fn` as it is: eager code reads the variables' values at each call."""
+    return fn
+
+
 def sandwich(A, Y, B):
     """``A Y_k B^T`` for every ``Y_k`` of `Y` (k, m, n) (``Y_k B^T`` when `A`
     is None). Two matmuls: torch.einsum with three operands dispatches

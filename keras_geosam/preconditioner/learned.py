@@ -362,20 +362,8 @@ class LearnedPreconditioner:
     def _compiled(self, model):
         cache = self.__dict__.setdefault("_cache", {})
         if id(model) not in cache:
-            if backend.name == "jax":
-                cache[id(model)] = _jax_refresh(self, model)
-            else:
-                cache[id(model)] = backend.compile(lambda values, nt, x, y: self.refreshed(model, values, nt, x, y))
+            # The refresh starts from U's current values: they must be read
+            # at each call, not frozen into the compiled code.
+            cache[id(model)] = backend.compile_reading(
+                lambda values, nt, x, y: self.refreshed(model, values, nt, x, y), self.variables)
         return cache[id(model)]
-
-
-def _jax_refresh(pre, model):
-    # Under jit, U's current values must be arguments, not captured constants.
-    import jax
-
-    @jax.jit
-    def fn(u_values, values, non_trainable, x, y):
-        with keras.StatelessScope(state_mapping=list(zip(pre.variables, u_values))):
-            return pre.refreshed(model, values, non_trainable, x, y)
-
-    return lambda values, non_trainable, x, y: fn([p.value for p in pre.variables], values, non_trainable, x, y)
