@@ -16,9 +16,6 @@ and its failure message says which ops caused that.
 """
 
 import functools
-import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -27,7 +24,7 @@ import pytest
 from keras_geosam import curvature as kc
 
 from reference import curvature as ref
-from locations import REPO, import_worker, worker_script
+from locations import import_worker, start_on_other_backends
 
 BACKEND = keras.backend.backend()
 
@@ -634,31 +631,13 @@ def test_other_bad_arguments_raise(float64, rng):
 def test_float32_results_agree_across_backends(tmp_path):
     """Identical float32 weights and data give the same products, and the
     same seed the same probes and estimates, on all backends."""
-    worker = worker_script("cross_backend_worker.py")
-    procs = {}
-    for b in ("tensorflow", "torch"):
-        env = dict(os.environ, KERAS_BACKEND=b)
-        out = tmp_path / f"{b}.npz"
-        procs[b] = (
-            subprocess.Popen(
-                [sys.executable, worker, str(out)],
-                env=env,
-                cwd=REPO,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-            ),
-            out,
-        )
+    collect = start_on_other_backends("cross_backend_worker.py", tmp_path)
     # The JAX results are computed here, in float32, while the others run.
     assert keras.config.floatx() == "float32"
     cross_backend_worker = import_worker("cross_backend_worker")
 
     results = {"jax": cross_backend_worker.compute()}
-    for b, (p, out) in procs.items():
-        log, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, f"{b} worker failed:\n{log.decode()[-4000:]}"
-        with np.load(out) as f:
-            results[b] = {k: f[k] for k in f.files}
+    results.update(collect(timeout=300))
 
     base = results["jax"]
     problems = [f"{b}: {e}" for b in results for e in results[b]["errors"]]

@@ -25,8 +25,6 @@ PreconditionerRefresh callback under steps_per_execution > 1.
 """
 
 import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -35,7 +33,9 @@ from keras import ops
 
 import keras_geosam as kg
 from reference import two_pass as ref
-from locations import import_worker, worker_script
+from reference.two_pass import assert_weights_close as assert_close
+from reference.two_pass import max_abs_diff
+from locations import import_worker, start_on_other_backends
 
 BACKEND = keras.backend.backend()
 RTOL, ATOL = 1e-5, 1e-6
@@ -55,16 +55,6 @@ def sgd(lr=0.1, momentum=0.9):
 
 def to_np(t):
     return np.asarray(ops.convert_to_numpy(t), np.float64)
-
-
-def assert_close(actual, expected, rtol=RTOL, atol=ATOL):
-    assert len(actual) == len(expected)
-    for i, (a, e) in enumerate(zip(actual, expected)):
-        np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=f"tensor {i}")
-
-
-def max_abs_diff(a, b):
-    return max(float(np.max(np.abs(np.asarray(p) - np.asarray(q)))) for p, q in zip(a, b))
 
 
 class Counting(kg.Sequential):
@@ -659,18 +649,9 @@ def test_refresh_gives_the_same_U_on_all_backends(tmp_path):
     factor; 1e-4 on the change U - U_init, which is the part that moved)."""
     llqr_worker = import_worker("llqr_worker")
 
-    procs = {}
-    for b in ("tensorflow", "torch"):
-        env = dict(os.environ, KERAS_BACKEND=b)
-        env.pop("JAX_ENABLE_X64", None)
-        out = str(tmp_path / f"{b}.npz")
-        procs[b] = (subprocess.Popen([sys.executable, worker_script("llqr_worker.py"), out], env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT), out)
+    collect = start_on_other_backends("llqr_worker.py", tmp_path, x64=False)
     mine = llqr_worker.compute()
-    for b, (proc, out) in procs.items():
-        log = proc.communicate(timeout=300)[0].decode(errors="replace")
-        assert proc.returncode == 0, f"{b} worker failed:\n{log[-3000:]}"
-        theirs = dict(np.load(out))
+    for b, theirs in collect(timeout=300).items():
         assert sorted(theirs) == sorted(mine)
         moved_a, moved_b = [], []
         for key in sorted(k for k in mine if not k.startswith("init_")):

@@ -15,9 +15,6 @@ Tolerance: 1e-8 relative where Keras computes every op of the model in
 float64 on this backend, 1e-6 where it computes one in float32 (probed).
 """
 
-import os
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import keras
@@ -45,7 +42,7 @@ from reference.transformer_classifier import (
     reference_run,
     weights,
 )
-from locations import import_worker, worker_script
+from locations import import_worker, start_on_other_backends
 
 BACKEND = keras.backend.backend()
 CASES = {
@@ -191,18 +188,9 @@ def test_the_three_backends_agree_on_transformer_steps(tmp_path):
     tensorflow and torch (relative 1e-5)."""
     transformer_worker = import_worker("transformer_worker")
 
-    procs = {}
-    for b in ("tensorflow", "torch"):
-        env = dict(os.environ, KERAS_BACKEND=b)
-        env.pop("JAX_ENABLE_X64", None)
-        out = str(tmp_path / f"{b}.npz")
-        procs[b] = (subprocess.Popen([sys.executable, worker_script("transformer_worker.py"), out], env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT), out)
+    collect = start_on_other_backends("transformer_worker.py", tmp_path, x64=False)
     mine = transformer_worker.compute()
-    for b, (proc, out) in procs.items():
-        log = proc.communicate(timeout=600)[0].decode(errors="replace")
-        assert proc.returncode == 0, f"{b} worker failed:\n{log[-3000:]}"
-        theirs = dict(np.load(out))
+    for b, theirs in collect(timeout=600).items():
         assert sorted(theirs) == sorted(mine)
         for key in sorted(mine):
             a, c = mine[key].astype(np.float64), theirs[key].astype(np.float64)
