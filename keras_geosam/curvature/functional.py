@@ -20,7 +20,6 @@ from keras_geosam.curvature.layers import takes_training
 from keras_geosam.curvature.losses import require_classifier
 from keras_geosam.curvature.losses import require_gauss_newton
 from keras_geosam.curvature.losses import resolve_loss
-from keras_geosam.curvature.data import batches  # noqa: F401  (kept importable here)
 from keras_geosam.curvature.data import input_arrays
 from keras_geosam.curvature.data import num_examples
 from keras_geosam.curvature.weights import check_label_shape

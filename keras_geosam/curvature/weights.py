@@ -150,7 +150,7 @@ def example_weights(weights):
 
 
 def batch_slices(weights, n, batch_size, dtype):
-    """The slices of `weights` matching ``functional.batches(x, y,
+    """The slices of `weights` matching ``data.batches(x, y,
     batch_size)``, as tensors of `dtype` (None for each batch without
     weights)."""
     size = DEFAULT_BATCH_SIZE if batch_size is None else int(batch_size)

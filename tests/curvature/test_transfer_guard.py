@@ -144,10 +144,11 @@ def test_estimators_make_no_implicit_transfer_per_batch(monkeypatch, device_data
     loop, eager ops may still send a few Python constants.)"""
     import jax
 
-    from keras_geosam.curvature import functional
+    from keras_geosam.curvature import data
+    from keras_geosam.curvature import products
     from keras_geosam.curvature.operators import model as operator_module
 
-    plain = functional.batches
+    plain = data.batches
     guarded = []
 
     def batches(*args, **kwargs):
@@ -159,8 +160,8 @@ def test_estimators_make_no_implicit_transfer_per_batch(monkeypatch, device_data
             with jax.transfer_guard("disallow"):
                 yield item
 
-    monkeypatch.setattr(functional, "batches", batches)
-    monkeypatch.setattr(operator_module, "batches", batches)
+    monkeypatch.setattr(products, "batches", batches)  # the functional API's loops
+    monkeypatch.setattr(operator_module, "batches", batches)  # the operators' loops
     x, y = _data(40)
     model = _model(keras.optimizers.SGD(0.1))
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)
