@@ -28,11 +28,13 @@ def _bert(rng):
 
 
 def _gpt2(rng):
+    # A small vocabulary: the exact Fisher of the tied embedding costs one
+    # per-example map per position and class.
     backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=40, num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=16, dropout=0.0, max_sequence_length=6,
+        vocabulary_size=12, num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=16, dropout=0.0, max_sequence_length=6,
     )
     model = keras_hub.models.GPT2CausalLM(backbone, preprocessor=None)
-    tokens = rng.integers(0, 40, size=(16, 7))
+    tokens = rng.integers(0, 12, size=(16, 7))
     return model, {"token_ids": tokens[:, :-1], "padding_mask": np.ones((16, 6), "int32")}, tokens[:, 1:]
 
 
