@@ -24,7 +24,7 @@
 #   WORKERS       pytest-xdist worker processes per run (default auto: one per core;
 #                 0 runs in the pytest process itself). Files are not split between
 #                 workers (--dist loadfile): module fixtures are built once.
-#   STAGE_LIMIT   seconds one pytest run may take before it is stopped (default 2400): a
+#   STAGE_LIMIT   seconds one pytest run may take before it is stopped (default 3600): a
 #                 hung run (pytest-xdist waits forever once a worker process dies)
 #                 fails its stage with exit 124 instead of eating the whole CI budget
 #   KERAS_GEOSAM_SMALL_GUIDES  1: integration_tests also run the guides' small modes
@@ -40,7 +40,7 @@ TORCH_REQ="${TORCH_REQ:-torch==2.13.0}"
 SKIP_INSTALL="${SKIP_INSTALL:-0}"
 BACKENDS="${BACKENDS:-tensorflow jax torch}"
 WORKERS="${WORKERS:-auto}"
-STAGE_LIMIT="${STAGE_LIMIT:-2400}"
+STAGE_LIMIT="${STAGE_LIMIT:-3600}"
 # Split PYTEST_ARGS like a shell would (quotes honoured, nothing executed):
 # PYTEST_ARGS='-k "not slow" -x'
 PYTEST_EXTRA=()
