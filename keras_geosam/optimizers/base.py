@@ -25,6 +25,7 @@ import keras
 from keras import ops
 
 from keras_geosam import backend
+from keras_geosam.curvature.operators.base import cast_to
 
 _ATTACH_HINT = (
     "{name} is a two-pass optimizer: it needs the loss at perturbed weights, "
@@ -230,7 +231,7 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
         for t in values:
             if t.dtype not in scales:
                 scales[t.dtype] = ops.cast(scale, t.dtype)
-        return [backend.add_scaled(t, ops.cast(d, t.dtype), scales[t.dtype]) for t, d in zip(values, direction)]
+        return [backend.add_scaled(t, cast_to(d, t.dtype), scales[t.dtype]) for t, d in zip(values, direction)]
 
     def update_state(self, centre_grads, perturbed_grads):
         """Updates own variables after both passes (nothing by default)."""

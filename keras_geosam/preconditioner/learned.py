@@ -17,6 +17,7 @@ from keras_geosam import backend
 from keras_geosam._checks import check_int as _check_int
 from keras_geosam._checks import check_number
 from keras_geosam.curvature.functional import model_functions
+from keras_geosam.curvature.operators.base import cast_to
 from keras_geosam.curvature.layers import is_convolutional
 from keras_geosam.curvature.layers import kernel_views
 from keras_geosam.curvature.losses import require_classifier
@@ -237,7 +238,20 @@ class LearnedPreconditioner:
 
     def operator(self):
         """U now, as a :class:`~keras_geosam.curvature.BlockDiagonal`."""
-        return structures.operator(self.layout, [p.value for p in self.variables], self.paths)
+        values = [p.value for p in self.variables]
+        if not backend.eager_steps:  # traced: built once per trace anyway
+            return structures.operator(self.layout, values, self.paths)
+        # Eager (torch): a variable's value is one tensor that assignments
+        # update in place, so the operator built from those tensors stays
+        # right; building it walks every block (~0.4 ms on a 4-block
+        # Transformer, twice per LLQR+SAM step). The cache holds the tensors
+        # it was built from, so an identity check cannot be fooled.
+        cached = self.__dict__.get("_operator_cache")
+        if cached is not None and len(cached[0]) == len(values) and all(a is b for a, b in zip(cached[0], values)):
+            return cached[1]
+        op = structures.operator(self.layout, values, self.paths)
+        self._operator_cache = (values, op)
+        return op
 
     def summary(self, print_fn=print):
         """Prints each variable U acts on, its block type (Diagonal, KFAC,
@@ -249,7 +263,7 @@ class LearnedPreconditioner:
 
     def precondition(self, vectors):
         """U v for a list like the trainable variables (in v's dtypes)."""
-        return [ops.cast(u, v.dtype) for u, v in zip(self.operator().matvec(vectors), vectors)]
+        return [cast_to(u, v.dtype) for u, v in zip(self.operator().matvec(vectors), vectors)]
 
     def descent(self, grads, values):
         """``U g + coupled_weight_decay * theta``."""

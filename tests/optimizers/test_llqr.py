@@ -859,3 +859,24 @@ def test_a_step_whose_perturbed_pass_overflows_leaves_a_refreshed_u_alone():
     rec2 = Recorder()
     fit(model2, x, y, 4, callbacks=[rec2])
     assert rec2.refreshes == [1] and max_abs_diff(rec2.u[0], rec.u[0]) > 1e-6
+
+
+@pytest.mark.parametrize("structure", ["diagonal", "kfac"])
+def test_u_products_follow_assignments_to_u(structure):
+    """U's products read U as it is now: after its variables are assigned
+    (a refresh, a load, a user), the next product uses the new values.
+    Eager backends keep U's operator between steps (its tensors are
+    updated in place), so a stale operator would show here."""
+    opt = kg.optimizers.LLQRSAM(sgd(), structure=structure, refresh_source="callback")
+    model, _ = build(opt)
+    rng = np.random.default_rng(5)
+    vecs = [rng.normal(size=tuple(v.shape)).astype("float32") for v in model.trainable_variables]
+    tensors = [ops.convert_to_tensor(v) for v in vecs]
+    before = [to_np(t) for t in opt.preconditioner.precondition(tensors)]
+    assert_close(before, vecs, rtol=1e-6, atol=1e-7)  # U starts as the identity
+    for _ in range(2):
+        random_u(opt, rng)
+        got = [to_np(t) for t in opt.preconditioner.precondition(tensors)]
+        assert_close(got, apply_u(u_groups(opt), vecs), rtol=1e-5, atol=1e-6)
+        assert max_abs_diff(got, before) > 1e-2
+        before = got

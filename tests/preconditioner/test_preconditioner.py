@@ -559,3 +559,25 @@ def test_refresh_sanitises_non_finite_gradients(f64):
                                   clip_norm=1e30, beta=0.0, min_diagonal=1e-8)[0])
     assert np.all(np.isfinite(new)), new
     np.testing.assert_allclose(new, [1.2, 1.0, 1.2], rtol=SCALAR)
+
+
+def test_same_shaped_kronecker_blocks_are_multiplied_together(monkeypatch):
+    """K-FAC blocks of one matrix view go through one batched product
+    (``BlockDiagonal.matvec``), and each gets its own block's product."""
+    from keras_geosam.curvature.operators import structured
+
+    rng = np.random.default_rng(4)
+    blocks = [spec("kfac", (3, 4)), spec("diagonal", (4,)), spec("kfac", (3, 4)), spec("kfac", (4, 3)),
+              spec("ekfac", (3, 4)), spec("kfac", (3, 4)), spec("kfac", (4, 3)), spec("kfac", (2, 2))]
+    params = [random_params(b, rng) for b in blocks]
+    vecs = [rng.normal(size=b[1]) for b in blocks]
+    flat = [t64(p) for ps in params for p in ps]
+    calls = []
+    grouped = structured._kfac_group_matvec
+    monkeypatch.setattr(structured, "_kfac_group_matvec", lambda bs, xs: calls.append(len(bs)) or grouped(bs, xs))
+    got = np_list(pc.operator(blocks, flat).matvec([t64(v) for v in vecs]))
+    assert sorted(calls) == [2, 3]  # (3, 4) x3 and (4, 3) x2; (2, 2) and EK-FAC alone
+    U = _block_diag([explicit_block(kind_of(b), p, b[1]) for b, p in zip(blocks, params)])
+    assert ref.rel_err(ref.flatten(got), U @ ref.flatten(vecs)) < f64_tolerance()
+    for g, b, p, v in zip(got, blocks, params, vecs):  # block by block, not only in total
+        assert ref.rel_err(np.ravel(g), explicit_block(kind_of(b), p, b[1]) @ np.ravel(v)) < f64_tolerance()

@@ -10,6 +10,7 @@ small operator (float64 NumPy, coordinates in the order of the flattened
 list), for tests and small models.
 """
 
+import keras
 import numpy as np
 from keras import ops
 
@@ -18,6 +19,15 @@ def static_shape(x):
     """`x`'s shape as Python ints, None where only known when run (inside a
     traced TensorFlow function): a check never asks a tensor for a bool."""
     return tuple(None if d is None else int(d) for d in x.shape)
+
+
+def cast_to(x, dtype):
+    """`x` in `dtype`: `x` itself when it already is. ``ops.cast`` costs a
+    few microseconds even then, on every tensor of every product of an
+    eager step."""
+    if x.dtype == dtype or keras.backend.standardize_dtype(x.dtype) == keras.backend.standardize_dtype(dtype):
+        return x
+    return ops.cast(x, dtype)
 
 
 class LinearOperator:

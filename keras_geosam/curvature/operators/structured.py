@@ -28,6 +28,7 @@ from keras import ops
 from keras_geosam import backend
 from keras_geosam.curvature.functional import mean
 from keras_geosam.curvature.operators.base import LinearOperator
+from keras_geosam.curvature.operators.base import cast_to
 from keras_geosam.curvature.operators.base import flatten
 from keras_geosam.curvature.operators.base import scalar
 from keras_geosam.curvature.operators.base import static_shape
@@ -119,13 +120,13 @@ class Diagonal(_Spectral, LinearOperator):
 
     def matmat(self, vectors):
         vectors = self.check(vectors)
-        return [ops.cast(d, v.dtype)[None] * v for d, v in zip(self.values, vectors)]
+        return [cast_to(d, v.dtype)[None] * v for d, v in zip(self.values, vectors)]
 
     def matvec(self, vector):
         # Without matmat's probe axis: LLQR applies a diagonal U twice per
         # step, and on eager torch the axis costs two ops per tensor.
         vector = self.check(vector, batched=False)
-        return [ops.cast(d, v.dtype) * v for d, v in zip(self.values, vector)]
+        return [cast_to(d, v.dtype) * v for d, v in zip(self.values, vector)]
 
     def diagonal(self):
         return list(self.values)
@@ -237,6 +238,16 @@ class KFAC(_Spectral, LinearOperator):
         else:
             Y = backend.sandwich(A, Y, B)
         return [ops.reshape(Y, ops.shape(X))]
+
+    def group_key(self, vector):
+        """Blocks with equal keys are multiplied together, as one batched
+        product (``BlockDiagonal.matvec``): a Transformer's query, key, value
+        and output kernels share one view, and on eager backends (and
+        TensorFlow's executor) dozens of small matmuls cost more in dispatch
+        and thread wake-ups than in arithmetic. None: multiply alone."""
+        if type(self) is not KFAC or self.diagonal_input or self.rows is not None:
+            return None
+        return (self.view, str(vector[0].dtype))
 
     def _input_diagonal(self):
         if self.rows is not None and self._A is None:
@@ -509,6 +520,18 @@ class DiagonalInputEKFAC(EKFAC):
         return cls(params[0], params[1], shape, split)
 
 
+def _kfac_group_matvec(blocks, xs):
+    """``A_i X_i B_i^T`` for K-FAC blocks of one view (``group_key``), as two
+    batched matmuls over the stacked blocks."""
+    dtype = xs[0].dtype
+    view = blocks[0].view
+    A = ops.stack([cast_to(b.A, dtype) for b in blocks])
+    B = ops.stack([cast_to(b.B, dtype) for b in blocks])
+    X = ops.stack([ops.reshape(x, view) for x in xs])
+    Y = ops.matmul(A, ops.matmul(X, ops.swapaxes(B, -1, -2)))
+    return [ops.reshape(y, ops.shape(x)) for y, x in zip(ops.unstack(Y), xs)]
+
+
 class BlockDiagonal(LinearOperator):
     """Blocks acting on consecutive tensors of the list, nothing across them.
 
@@ -597,7 +620,23 @@ class BlockDiagonal(LinearOperator):
 
     def matvec(self, vector):
         vector = self.check(vector, batched=False)
-        return [y for b, v in zip(self.blocks, self.split_list(vector)) for y in b.matvec(v)]
+        parts = self.split_list(vector)
+        out = [None] * len(self.blocks)
+        groups = {}  # same-shaped Kronecker blocks: one batched product each
+        for i, (b, v) in enumerate(zip(self.blocks, parts)):
+            key = b.group_key(v) if isinstance(b, KFAC) else None
+            if key is None:
+                out[i] = b.matvec(v)
+            else:
+                groups.setdefault(key, []).append(i)
+        for members in groups.values():
+            if len(members) == 1:
+                out[members[0]] = self.blocks[members[0]].matvec(parts[members[0]])
+                continue
+            ys = _kfac_group_matvec([self.blocks[i] for i in members], [parts[i][0] for i in members])
+            for i, y in zip(members, ys):
+                out[i] = [y]
+        return [y for ys in out for y in ys]
 
     def diagonal(self):
         return [d for b in self.blocks for d in b.diagonal()]
