@@ -33,6 +33,8 @@ a list of backend tensors:
   branches are decided on the host
 - ``slow_convolutions_in_loops``: True where a compiled loop over a
   convolutional network should be unrolled (XLA:CPU)
+- ``batch_small_products``: True where same-shaped K-FAC blocks should be
+  multiplied as one batched product (each op has a fixed cost there)
 - ``compile(fn)`` -> a compiled version of a pure function (or ``fn`` itself)
 - ``compile_reading(fn, variables)`` -> the same for a function that reads
   Keras `variables`: every call sees their current values
@@ -107,6 +109,7 @@ eigh = _impl.eigh
 compile = _impl.compile
 compile_reading = _impl.compile_reading
 slow_convolutions_in_loops = _impl.slow_convolutions_in_loops
+batch_small_products = _impl.batch_small_products
 eager_steps = _impl.eager_steps
 replica_count = _impl.replica_count
 all_reduce_sum = _impl.all_reduce_sum
@@ -145,6 +148,7 @@ __all__ = [
     "compile",
     "compile_reading",
     "slow_convolutions_in_loops",
+    "batch_small_products",
     "eager_steps",
     "replica_count",
     "all_reduce_sum",

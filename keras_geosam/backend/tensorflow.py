@@ -10,6 +10,11 @@ _ZERO = tf.UnconnectedGradients.ZERO
 # Convolutions run as fast inside compiled loops as outside.
 slow_convolutions_in_loops = False
 
+# Every op in a graph costs the executor a fixed few microseconds: a ViT's
+# same-shaped K-FAC blocks run faster as one batched product (K-FAC step
+# over its FLOP floor 1.11 -> 0.99 on the bench ViT).
+batch_small_products = True
+
 
 # Steps are traced and compiled: their branches stay on the device.
 eager_steps = False

@@ -46,6 +46,11 @@ def _fill(grads, params):
 # Convolutions run as fast inside compiled loops as outside.
 slow_convolutions_in_loops = False
 
+# Each eager op costs a dispatch and, with OpenMP threads that sleep, a
+# wake-up (~0.1 ms for a 64x64 matmul): same-shaped K-FAC blocks run as one
+# batched product (U's product on the bench ViT: 9.6 -> 5.4 ms).
+batch_small_products = True
+
 
 # Steps run eagerly: a data-dependent branch in a step is decided on the host.
 eager_steps = True
