@@ -72,7 +72,9 @@ def value_and_grad(f, params, *args, has_aux=False, sparse=False):
         grads = torch.autograd.grad(value, leaves, allow_unused=True)
     grads = [g.detach() for g in _fill(grads, leaves)]
     if has_aux:
-        return (value.detach(), out[1]), grads
+        # Detached, as values: a SAM step's centre outputs live to its end,
+        # and ops on them (the metrics) would otherwise record a graph.
+        return (value.detach(), _detach(out[1])), grads
     return value.detach(), grads
 
 
