@@ -144,6 +144,11 @@ class LinearOperator:
             cols.append(np.asarray(ops.convert_to_numpy(flatten(out)), dtype="float64"))
         return np.concatenate(cols, axis=0).T
 
+    def group_key(self, vector):
+        """A key shared by blocks that ``BlockDiagonal.matvec`` may multiply
+        together as one batched product; None (the default): alone."""
+        return None
+
     # ------------------------------------------------------- checking ----
     def check(self, vectors, batched=True):
         """Raises unless `vectors` is a list matching `shapes` (with a

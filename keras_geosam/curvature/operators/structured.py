@@ -624,7 +624,7 @@ class BlockDiagonal(LinearOperator):
         out = [None] * len(self.blocks)
         groups = {}  # same-shaped Kronecker blocks: one batched product each
         for i, (b, v) in enumerate(zip(self.blocks, parts)):
-            key = b.group_key(v) if backend.batch_small_products and isinstance(b, KFAC) else None
+            key = b.group_key(v) if backend.batch_small_products else None
             if key is None:
                 out[i] = b.matvec(v)
             else:
