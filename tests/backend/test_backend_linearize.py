@@ -157,9 +157,13 @@ def test_unrolled_refresh_equals_the_loop():
 def test_vdot_sums_products_over_a_list_of_tensors():
     # The gradient norms and dot products of every step: checked against
     # NumPy float64 in the tensors' dtype, in float32 on request (the step's
-    # statistics), from half precision, and for a single tensor.
-    a = [RNG.normal(size=s) for s in [(7, 5), (5,), (2, 3, 4)]]
-    b = [RNG.normal(size=s) for s in [(7, 5), (5,), (2, 3, 4)]]
+    # statistics), from half precision, and for a single tensor. The last
+    # pair is larger than torch's serial-product limit (backend/torch.py),
+    # so both of its dot paths are checked; correlated, so its sum is large.
+    shapes = [(7, 5), (5,), (2, 3, 4), (200, 200)]
+    a = [RNG.normal(size=s) for s in shapes]
+    b = [RNG.normal(size=s) for s in shapes]
+    b[-1] = a[-1] + 0.5 * b[-1]
     for dtype, tol in (("float32", 1e-5), ("float64", 1e-12)):
         # The reference in float64 from the values the tensors hold.
         ra = [x.astype(dtype).astype("float64") for x in a]
@@ -174,7 +178,7 @@ def test_vdot_sums_products_over_a_list_of_tensors():
         # A squared norm stays non-finite when an entry is (the step's skip
         # check relies on it).
         for bad in (np.nan, np.inf):
-            spoilt = [ta[0], ops.convert_to_tensor(np.where(np.arange(5) == 2, bad, a[1]).astype(dtype)), ta[2]]
+            spoilt = [ta[0], ops.convert_to_tensor(np.where(np.arange(5) == 2, bad, a[1]).astype(dtype)), *ta[2:]]
             assert not np.isfinite(float(backend.vdot(spoilt, spoilt, "float32")))
         np.testing.assert_allclose(float(backend.vdot(ta[:1], tb[:1])), float(np.sum(ra[0] * rb[0])), rtol=tol)
     # Mixed dtypes promote; an empty list sums to zero.
