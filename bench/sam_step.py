@@ -543,6 +543,9 @@ def measure_cell(keras, kg, np, b, name, batch, w0, cfg, timer_cls):
             # work): the warm-up epoch less the median timed epoch.
             "compile_s": first[k] - statistics.median(wall[k]) * steps,
             "final_loss": losses[k],
+            # Per timed epoch, in the interleaved order: paired ratios (derive).
+            "rounds_s": wall[k],
+            "cpu_rounds_s": cpu[k],
         }
         if k in models:
             rows[k]["jit_compile"] = bool(models[k].jit_compile)
@@ -570,18 +573,44 @@ def measure_cell(keras, kg, np, b, name, batch, w0, cfg, timer_cls):
     return cell
 
 
+def paired_ratio_interval(num, den, level=0.95):
+    """``(lo, hi)``: the `level` t interval of the geometric mean of the
+    paired ratios num_i / den_i (epoch i of two runners, run back to back),
+    from their logs; NaNs with fewer than 2 pairs. A load change on the
+    machine moves both members of a pair, so the interval is the ratio's
+    own run-to-run uncertainty."""
+    import math
+
+    from scipy import stats
+
+    logs = [math.log(a / b) for a, b in zip(num, den)]
+    n = len(logs)
+    if n < 2:
+        return float("nan"), float("nan")
+    mean, sem = statistics.fmean(logs), statistics.stdev(logs) / math.sqrt(n)
+    half = stats.t.ppf(0.5 + level / 2, n - 1) * sem
+    return math.exp(mean - half), math.exp(mean + half)
+
+
 def derive(cell):
-    """Ratios of medians (wall) and of CPU medians."""
+    """Ratios of medians (wall) and of CPU medians; for each method's step
+    over SGD's, also the 95% interval of the paired per-epoch ratios."""
     r = cell["runners"]
     out = {}
     for key, suffix in (("step_s", ""), ("cpu_step_s", "_cpu")):
         sgd = r["sgd"][key]
+        rounds = key.replace("step_s", "rounds_s")
         for v in METHODS:
             if v in r:
                 out[v + suffix] = r[v][key] / sgd
+                out[v + suffix + "_ci"] = paired_ratio_interval(r[v][rounds], r["sgd"][rounds])
         for v, ref in cell["refresh"].items():
             amort = r[v][key] + ref["refresh_s"] / REFRESH_EVERY
             out[v + "_amortised" + suffix] = amort / sgd
+            # The refresh's share taken as exact (timed separately, warm).
+            lo, hi = out[v + suffix + "_ci"]
+            share = ref["refresh_s"] / REFRESH_EVERY / sgd
+            out[v + "_amortised" + suffix + "_ci"] = (lo + share, hi + share)
             if not suffix:
                 ref["amortised_step_s"] = amort
         if "peer_sam" in r:
@@ -1092,7 +1121,8 @@ def markdown(results):
            else "`refresh_source=\"step\"`, `refresh_every` beyond the run (the refresh branch stays in the step; only step 0, in the warm-up epoch, refreshes)")
     lines.append(
         f"Per-step time = epoch time / steps, median of {cfg['rounds']} epochs per runner, all runners of a row "
-        f"interleaved epoch by epoch after one warm-up epoch each; ratios = ratios of medians. Steps per epoch: {steps}. "
+        f"interleaved epoch by epoch after one warm-up epoch each; ratios = ratios of medians; in the goal table a step ratio "
+        f"carries (in brackets) the 95% t interval of the geometric mean of its per-epoch paired ratios. Steps per epoch: {steps}. "
         f"jit: `fit`'s effective `jit_compile`. SGD(lr={LR}, momentum={MOMENTUM}) alone and as the base of every method; "
         f"rho {RHO} (ASAM {ASAM_RHO}). LLQR+SAM: timed steps never refresh U ({src}); amort. = (step + one refresh "
         f"({cfg['refresh_steps']} inner steps, one batch, warm) / {REFRESH_EVERY}) / SGD step."
@@ -1176,7 +1206,13 @@ def markdown(results):
     def goal_cell(q, k, goal):
         if k not in q:
             return "-"
-        return f"{q[k]:.2f} {verdict(q[k], goal)} [{q[k + '_cpu']:.2f} {verdict(q[k + '_cpu'], goal)}]"
+
+        def one(k):
+            lo, hi = q.get(k + "_ci", (float("nan"),) * 2)
+            interval = f" ({lo:.2f}-{hi:.2f})" if lo == lo else ""
+            return f"{q[k]:.2f}{interval} {verdict(q[k], goal)}"
+
+        return f"{one(k)} [{one(k + '_cpu')}]"
 
     for res in results:
         for c in res["cells"]:
