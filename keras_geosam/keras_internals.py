@@ -80,6 +80,27 @@ def losses_override(model, losses):
 
 
 
+def compute_loss(model, x, y, y_pred, sample_weight):
+    """The training loss as Keras' trainers compute it: ``compute_loss``
+    with ``training=True`` where an override takes that argument
+    (``Trainer._compute_loss``; the public method needs it in the
+    signature)."""
+    return model._compute_loss(x, y, y_pred, sample_weight=sample_weight, training=True)
+
+
+def plain_call(model):
+    """Whether ``stateless_call`` would run ``model.call`` as it is: no
+    quantised call and no rematerialisation (the remat mode is not public)."""
+    return model.dtype_policy.quantization_mode is None and getattr(model, "_remat_mode", None) is None
+
+
+def rematerialised_layers(model):
+    """Names of the layers (`model` included) built under a
+    ``keras.RematScope``: the mode is kept on a private attribute."""
+    layers = [model] + list(model._flatten_layers(include_self=False))
+    return [layer.name for layer in layers if getattr(layer, "_remat_mode", None) is not None]
+
+
 @contextlib.contextmanager
 def unlocked_tracking(model):
     """Lets attributes be added to a built model whose state Keras has
@@ -202,6 +223,8 @@ def checked_names():
         ("keras.src.models.functional.Functional", has_module_attr("keras.src.models.functional", "Functional")),
         ("Model._symbolic_build", hasattr(model, "_symbolic_build")),
         ("Model._losses_override", hasattr(model, "_losses_override")),
+        ("Model._compute_loss", hasattr(model, "_compute_loss")),
+        ("Layer._remat_mode", hasattr(model, "_remat_mode")),
         ("Model._tracker", hasattr(model, "_tracker")),
         ("Layer._flatten_layers", hasattr(model, "_flatten_layers")),
         ("Layer._inbound_nodes", hasattr(model.layers[0], "_inbound_nodes")),

@@ -33,6 +33,7 @@ def _prepare(model):
                 'already global. Use perturbation="global".'
             )
     opt.check_model(model)
+    _check_rematerialisation(model)
     owner = getattr(opt, "_geosam_owner", None)
     owner = owner() if owner is not None else None
     # The earlier model still compiled with this very optimizer: a conflict.
@@ -56,6 +57,21 @@ def _prepare(model):
             model._geosam_skipped_steps = keras.metrics.Sum(name="skipped_steps")
     if model.built and not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
+
+
+def _check_rematerialisation(model):
+    """RematScope models train on JAX only (a clear error, not a wrong step)."""
+    remat = keras_internals.rematerialised_layers(model)
+    if remat and keras.backend.backend() != "jax":
+        # torch recomputes a checkpointed layer in the backward pass, outside
+        # the StatelessScope holding the step's weights (its gradients reach
+        # the variables, not the step's values); TensorFlow's remat refuses
+        # keyword arguments in graph mode.
+        raise ValueError(
+            f"{model.name}: layers built under keras.RematScope ({', '.join(remat[:5])}"
+            f"{', ...' if len(remat) > 5 else ''}) are trained by the two-pass step on JAX only; on "
+            f"{keras.backend.backend()} build the model outside RematScope."
+        )
 
 
 def _with_refresh_monitor(model, kwargs):

@@ -1,8 +1,9 @@
 """The exact two-pass train step: one backend-neutral core, two thin wrappers.
 
 Both gradients are taken on the same batch; the perturbed weights exist only
-as values passed to ``stateless_call`` (nothing is perturbed in place and
-restored), and the update is applied at the unperturbed weights:
+as values mapped onto the variables in a StatelessScope (nothing is
+perturbed in place and restored), and the update is applied at the
+unperturbed weights:
 
     g_c = grad L_B(theta)              centre pass
     eps = optimizer's perturbation of g_c
@@ -72,9 +73,33 @@ def _finalise(result):
     return result._replace(sq_norm_centre=sq_c, sq_norm_perturbed=sq_p, dot=dot, finite=ops.isfinite(total))
 
 
-def _forward(model, trainable, non_trainable, metric_values, x, y, sample_weight, scale):
-    """Loss at the `trainable` values (training mode), Keras' own loss code."""
+def _forward(model, variables, trainable, non_trainable, metric_values, x, y, sample_weight, scale):
+    """Loss at the `trainable` values (training mode), Keras' own loss code.
+
+    One StatelessScope for the call and the loss: ``stateless_call`` and
+    then ``stateless_compute_loss`` open two, each walking the model for its
+    variables and mapping every one again (~2 ms a pass on an eager torch
+    Transformer). `variables` are the model's trainable, non-trainable and
+    metric variables, listed once per step."""
     kwargs = {"training": True} if takes_training(model) else {}
+    if not keras_internals.plain_call(model):
+        return _forward_keras(model, trainable, non_trainable, metric_values, x, y, sample_weight, scale, kwargs)
+    tv, ntv, mv = variables
+    mapping = list(zip(tv, trainable)) + list(zip(ntv, non_trainable)) + list(zip(mv, metric_values))
+    # collect_losses: the layers' add_loss terms reach model.losses inside
+    # the scope, as in stateless_call.
+    with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+        y_pred = model.call(x, **kwargs)
+        loss = keras_internals.compute_loss(model, x, y, y_pred, sample_weight)
+    non_trainable_new = [scope.get_current_value(v) for v in ntv]
+    metric_values_new = [scope.get_current_value(v) for v in mv]
+    scaled = loss if scale is None else loss * ops.cast(scale, loss.dtype)
+    return scaled, (loss, y_pred, non_trainable_new, metric_values_new)
+
+
+def _forward_keras(model, trainable, non_trainable, metric_values, x, y, sample_weight, scale, kwargs):
+    """`_forward` through Keras' ``stateless_call`` (a quantised or
+    rematerialised call) and ``stateless_compute_loss``."""
     y_pred, non_trainable_new, losses = model.stateless_call(trainable, non_trainable, x, return_losses=True, **kwargs)
     with keras_internals.losses_override(model, losses):
         loss, (_, _, metric_values_new) = model.stateless_compute_loss(
@@ -91,8 +116,10 @@ def two_pass(model, optimizer, trainable, non_trainable, metric_values, x, y, sa
     # TensorFlow) gets them as they are; the others get them dense.
     sparse = optimizer.takes_sparse_gradients
     data = (metric_values, x, y, sample_weight, scale)
+    variables = (model.trainable_variables, model.non_trainable_variables, model.metrics_variables)
     ((_, (loss_c, y_pred, ntv_c, mv_c)), g_c) = backend.value_and_grad(
-        lambda p, *a: _forward(model, p, *a), list(trainable), non_trainable, *data, has_aux=True, sparse=sparse
+        lambda p, *a: _forward(model, variables, p, *a), list(trainable), non_trainable, *data, has_aux=True,
+        sparse=sparse
     )
     if scale is not None:
         g_c = _unscale(g_c, scale)
@@ -113,7 +140,7 @@ def two_pass(model, optimizer, trainable, non_trainable, metric_values, x, y, sa
     fresh = optimizer.dropout == "fresh"
     ntv_in = [c if (fresh and not _is_float(v)) else v for v, c in zip(non_trainable, ntv_c)]
     ((_, (loss_p, _, ntv_p, _)), g_p) = backend.value_and_grad(
-        lambda p, *a: _forward(model, p, *a), perturbed, ntv_in, *data, has_aux=True, sparse=sparse
+        lambda p, *a: _forward(model, variables, p, *a), perturbed, ntv_in, *data, has_aux=True, sparse=sparse
     )
     if scale is not None:
         g_p = _unscale(g_p, scale)

@@ -201,6 +201,44 @@ def test_two_pass_perturbed_gradient_is_taken_at_theta_plus_eps(kind):
     assert_weights_close(ref.weights_of(model), init, rtol=0, atol=0)
 
 
+def test_regularisation_losses_count_in_both_passes_at_their_own_weights():
+    """A weight (L2 kernel) and an activity (L2 output) regulariser on a
+    linear model with squared error: the SAM step through ``fit`` equals the
+    closed form, each regulariser taken at the weights of its pass."""
+    rng = np.random.default_rng(11)
+    n, d, lam, mu, rho, lr = 8, 3, 0.3, 0.5, 0.4, 0.1
+    x = rng.standard_normal((n, d)).astype("float32")
+    y = rng.standard_normal((n, 1)).astype("float32")
+    w0 = rng.standard_normal((d, 1)).astype("float32")
+    model = kg.Sequential([
+        keras.Input((d,)),
+        keras.layers.Dense(1, use_bias=False, kernel_regularizer=keras.regularizers.L2(lam)),
+        keras.layers.ActivityRegularization(l2=mu),
+    ])
+    model.set_weights([w0])
+    model.compile(optimizer=kg.optimizers.SAM(keras.optimizers.SGD(lr), rho=rho), loss="mse")
+    model.fit(x, y, batch_size=n, epochs=1, shuffle=False, verbose=0)
+
+    X, Y = x.astype("float64"), y.astype("float64")
+
+    def grad(w):
+        # mean (Xw - y)^2 + lam ||w||^2 + mu mean (Xw)^2 (Keras divides an
+        # activity regulariser by the batch size).
+        return 2 * X.T @ (X @ w - Y) / n + 2 * lam * w + 2 * mu * X.T @ (X @ w) / n
+
+    w = w0.astype("float64")
+    g_c = grad(w)
+    g_p = grad(w + rho * g_c / np.linalg.norm(g_c))
+    expected = w - lr * g_p
+    np.testing.assert_allclose(model.get_weights()[0], expected, rtol=1e-5, atol=1e-6)
+    # Each term matters: without either regulariser the step is elsewhere.
+    for lam_, mu_ in [(0.0, mu), (lam, 0.0)]:
+        def g(w, lam_=lam_, mu_=mu_):
+            return 2 * X.T @ (X @ w - Y) / n + 2 * lam_ * w + 2 * mu_ * X.T @ (X @ w) / n
+        c = g(w)
+        assert np.abs(w - lr * g(w + rho * c / np.linalg.norm(c)) - expected).max() > 1e-3
+
+
 @pytest.mark.parametrize("kind", ["sam", "asam", "fsam", "fisher"])
 def test_public_perturbation_is_what_the_step_adds(kind):
     """The step forms theta + eps in one pass (``perturbed_weights``, from

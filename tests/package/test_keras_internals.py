@@ -25,7 +25,7 @@ def test_no_module_outside_the_door_names_keras_src_or_a_private_keras_attribute
     private = re.compile(r"keras\.src|_getframe|\._(symbolic_build|maybe_symbolic_build|losses_override|loss_tracker|"
                          r"trainable_variables|call_has_training_arg|distribute_strategy|jax_state|flatten_layers|"
                          r"inbound_nodes|outbound_nodes|iterations|fn_kwargs|build_shapes_dict|layout_map|layout|tracker|"
-                         r"stateful_handle_non_finite_grads)\b|\"_(distribute_strategy|jax_state|layout|tracker|"
+                         r"stateful_handle_non_finite_grads|compute_loss|remat_mode)\b|\"_(distribute_strategy|jax_state|layout|tracker|"
                          r"build_shapes_dict|fn_kwargs|inbound_nodes|layout_map|maybe_symbolic_build)\"")
     found = []
     for folder, _, files in os.walk(root):

@@ -128,3 +128,36 @@ def test_a_model_without_an_input_layer_builds_at_fit(make):
     assert np.all(np.isfinite(history.history["loss"]))
     if hasattr(model.optimizer, "refreshes"):
         assert int(keras.ops.convert_to_numpy(model.optimizer.refreshes)) == 3
+
+
+def _remat_run(remat):
+    x, y, _ = _data(16)
+
+    def build():
+        return kg.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+
+    if remat:
+        with keras.RematScope(mode="full"):
+            model = build()
+    else:
+        model = build()
+    _weights(model)
+    model.compile(optimizer=kg.optimizers.SAM(keras.optimizers.SGD(0.1), rho=0.3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="RematScope models train on JAX only")
+def test_rematerialised_model_takes_the_same_steps():
+    plain, remat = _remat_run(False), _remat_run(True)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(plain, remat)) <= 1e-6
+    assert max(float(np.abs(a).max()) for a in plain) > 0
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="JAX trains RematScope models")
+def test_rematerialised_model_is_refused_with_a_clear_error():
+    # torch's recomputation would run outside the step's weights: a wrong
+    # gradient, so it is refused before the first step.
+    with pytest.raises(ValueError, match="RematScope"):
+        _remat_run(True)
