@@ -73,3 +73,22 @@ def renamed_arguments(**old_to_new):
         return call
 
     return wrap
+
+
+def check_rematerialisation(model, user):
+    """Raises if `model` has layers built under ``keras.RematScope`` and the
+    backend is not JAX: torch recomputes such a layer in the backward pass
+    outside the StatelessScope that holds the weights being differentiated
+    (its gradient reaches the variables instead: a wrong number), and
+    TensorFlow's remat refuses keyword arguments in graph mode."""
+    import keras
+
+    from keras_geosam import keras_internals
+
+    remat = keras_internals.rematerialised_layers(model)
+    if remat and keras.backend.backend() != "jax":
+        more = ", ..." if len(remat) > 5 else ""
+        raise ValueError(
+            f"{model.name}: layers built under keras.RematScope ({', '.join(remat[:5])}{more}) are supported by "
+            f"{user} on JAX only; on {keras.backend.backend()} build the model outside RematScope."
+        )

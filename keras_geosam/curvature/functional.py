@@ -13,6 +13,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_geosam._checks import check_rematerialisation
 from keras_geosam.curvature.kernels import KernelCache
 from keras_geosam import backend
 from keras_geosam.curvature import probes as _probes
@@ -70,6 +71,7 @@ class ModelFunctions:
                 "The model is not built: call it on data (or build it) before "
                 "asking for curvature."
             )
+        check_rematerialisation(model, "curvature products")
         self.model = model
         self.spec = resolve_loss(model, loss)
         self.training = bool(training)

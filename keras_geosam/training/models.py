@@ -12,6 +12,7 @@ import weakref
 import keras
 
 from keras_geosam import keras_internals
+from keras_geosam._checks import check_rematerialisation
 from keras_geosam.callbacks.refresh_monitor import RefreshMonitor
 from keras_geosam.optimizers.preconditioned import PreconditionedOptimizer
 from keras_geosam.training import step as _step
@@ -33,7 +34,7 @@ def _prepare(model):
                 'already global. Use perturbation="global".'
             )
     opt.check_model(model)
-    _check_rematerialisation(model)
+    check_rematerialisation(model, "the two-pass step")
     owner = getattr(opt, "_geosam_owner", None)
     owner = owner() if owner is not None else None
     # The earlier model still compiled with this very optimizer: a conflict.
@@ -57,21 +58,6 @@ def _prepare(model):
             model._geosam_skipped_steps = keras.metrics.Sum(name="skipped_steps")
     if model.built and not model.optimizer.built:
         model.optimizer.build(model.trainable_variables)
-
-
-def _check_rematerialisation(model):
-    """RematScope models train on JAX only (a clear error, not a wrong step)."""
-    remat = keras_internals.rematerialised_layers(model)
-    if remat and keras.backend.backend() != "jax":
-        # torch recomputes a checkpointed layer in the backward pass, outside
-        # the StatelessScope holding the step's weights (its gradients reach
-        # the variables, not the step's values); TensorFlow's remat refuses
-        # keyword arguments in graph mode.
-        raise ValueError(
-            f"{model.name}: layers built under keras.RematScope ({', '.join(remat[:5])}"
-            f"{', ...' if len(remat) > 5 else ''}) are trained by the two-pass step on JAX only; on "
-            f"{keras.backend.backend()} build the model outside RematScope."
-        )
 
 
 def _with_refresh_monitor(model, kwargs):

@@ -161,3 +161,7 @@ def test_rematerialised_model_is_refused_with_a_clear_error():
     # gradient, so it is refused before the first step.
     with pytest.raises(ValueError, match="RematScope"):
         _remat_run(True)
+    with keras.RematScope(mode="full"):
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(3)])
+    with pytest.raises(ValueError, match="RematScope"):
+        kg.curvature.ModelFunctions(model)
