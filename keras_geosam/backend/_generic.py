@@ -63,15 +63,10 @@ def vdot(a, b, dtype=None):
 
 
 def gate_preparation(train_function, gate):
-    """`train_function` itself: only JAX dispatches steps without the
-    optimizer's preparation (TensorFlow's graph cond is free; eager torch
+    """`train_function` itself: only JAX runs U's refresh between steps, as
+    a program of its own (TensorFlow's graph cond is free; eager torch
     decides on the host inside the step)."""
     return train_function
-
-
-def unwrap_unprepared(data):
-    """``(data, True)``: every step prepares (see ``gate_preparation``)."""
-    return data, True
 
 
 def one_example(e):

@@ -31,13 +31,13 @@ a list of backend tensors:
   for every example along axis 0 of ``batch`` (vectorised, no Python loop)
 - ``eager_steps``: True where a train step runs eagerly (torch), so its
   branches are decided on the host
+- ``refresh_between_steps``: True where LLQR's in-step refresh runs
+  between steps as a program of its own, timed by the host (JAX)
 - ``slow_convolutions_in_loops``: True where a compiled loop over a
   convolutional network should be unrolled (XLA:CPU)
 - ``batch_small_products``: True where same-shaped K-FAC blocks should be
   multiplied as one batched product (each op has a fixed cost there)
 - ``compile(fn)`` -> a compiled version of a pure function (or ``fn`` itself)
-- ``compile_reading(fn, variables)`` -> the same for a function that reads
-  Keras `variables`: every call sees their current values
 - ``replica_count()`` / ``all_reduce_sum(tensors)``: tf.distribute replicas
   (a step's gradients are per-replica there); 1 / identity elsewhere
 - ``sum_over_replicas(model, fn, x, y, offset)``: a batch's statistic
@@ -74,10 +74,9 @@ a list of backend tensors:
   itself where the step is traced whole (JAX, TensorFlow)
 - ``cond_apply(pred, apply_fn, skip_fn, args, state=())``: a conditional optimizer
   update that is legal under tf.distribute
-- ``gate_preparation(train_function, gate)`` /
-  ``unwrap_unprepared(data)``: JAX dispatches a step that needs no
-  ``prepare_step`` (no LLQR refresh can be due) to a second compiled
-  program without that branch; identity / ``(data, True)`` elsewhere
+- ``gate_preparation(train_function, gate)``: JAX runs the optimizer's
+  ``prepare_step`` (LLQR's refresh) between steps, as its own compiled
+  program, so the step's program holds no refresh; identity elsewhere
 """
 
 import keras
@@ -107,10 +106,10 @@ vjp_batched = _impl.vjp_batched
 per_example_grads = _impl.per_example_grads
 eigh = _impl.eigh
 compile = _impl.compile
-compile_reading = _impl.compile_reading
 slow_convolutions_in_loops = _impl.slow_convolutions_in_loops
 batch_small_products = _impl.batch_small_products
 eager_steps = _impl.eager_steps
+refresh_between_steps = _impl.refresh_between_steps
 replica_count = _impl.replica_count
 all_reduce_sum = _impl.all_reduce_sum
 cond_apply = _impl.cond_apply
@@ -124,7 +123,6 @@ step_timer = _impl.step_timer
 scale = _impl.scale
 uncompiled = _impl.uncompiled
 gate_preparation = _impl.gate_preparation
-unwrap_unprepared = _impl.unwrap_unprepared
 distribute_batch = _impl.distribute_batch
 device_constant = _impl.device_constant
 sum_over_replicas = _impl.sum_over_replicas
@@ -146,10 +144,10 @@ __all__ = [
     "per_example_grads",
     "eigh",
     "compile",
-    "compile_reading",
     "slow_convolutions_in_loops",
     "batch_small_products",
     "eager_steps",
+    "refresh_between_steps",
     "replica_count",
     "all_reduce_sum",
     "cond_apply",
@@ -163,7 +161,6 @@ __all__ = [
     "scale",
     "uncompiled",
     "gate_preparation",
-    "unwrap_unprepared",
     "distribute_batch",
     "device_constant",
     "sum_over_replicas",

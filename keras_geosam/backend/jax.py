@@ -1,5 +1,7 @@
 """JAX specialisation: jax.grad, forward-over-reverse HVP, vmap, jit."""
 
+import itertools
+
 import jax
 import keras
 
@@ -18,6 +20,10 @@ batch_small_products = False
 
 # Steps are traced and compiled: their branches stay on the device.
 eager_steps = False
+
+# LLQR's refresh runs between steps as a program of its own, dispatched and
+# timed by the host (``gate_preparation``).
+refresh_between_steps = True
 
 
 _COMPILE_SECONDS = [0.0]
@@ -104,19 +110,6 @@ def per_example_grads(f, params, *batch):
 
 def compile(fn):
     return jax.jit(fn)
-
-
-def compile_reading(fn, variables):
-    """`fn` compiled, reading `variables`' values at each call: jit would
-    freeze Keras variables it captures as constants, so their values go in
-    as arguments and a StatelessScope maps them back."""
-
-    @jax.jit
-    def compiled(values, *args):
-        with keras.StatelessScope(state_mapping=list(zip(variables, values))):
-            return fn(*args)
-
-    return lambda *args: compiled([v.value for v in variables], *args)
 
 
 def device_constant(value):
@@ -207,62 +200,61 @@ def save_from_primary(save):
     multihost_utils.sync_global_devices("keras_geosam.save_from_primary")
 
 
-class Unprepared(tuple):
-    """A batch ``(x, y, ...)`` whose train step skips the optimizer's
-    ``prepare_step``. A tuple, so a ``train_step`` override that unpacks its
-    data still works (it then passes a plain tuple on, and its step keeps
-    the branch); a pytree node of its own, so the one ``jit`` Keras built
-    (donation, output shardings) compiles a second program for it."""
-
-
-jax.tree_util.register_pytree_node(Unprepared, lambda t: (tuple(t), None), lambda _, children: Unprepared(children))
-
-
 def gate_preparation(train_function, gate):
     """Keras' JAX ``train_function(state, iterator)``, each of whose steps
     asks the host ``gate.next_step(read_counter, can_read)`` whether the
-    optimizer's ``prepare_step`` (LLQR's in-step refresh) may have work to
-    do; when not, the step runs a program without it. Even a branch not
-    taken costs on XLA (its operands, such as U, are copied out of the
-    donated state).
+    optimizer's ``prepare_step`` (LLQR's refresh of U) may have work to do.
+    The steps themselves never hold the refresh (traced under
+    ``gate.outside()``): one program for every step, compiled once, without
+    the refresh's temporaries. Before a step that may be due,
+    ``gate.prepare(state, data)`` runs the refresh as its own program on the
+    state, the step runs alone, and ``gate.settle`` undoes the refresh if
+    the step was skipped; runs of other steps go to ``train_function``
+    together (``steps_per_execution``).
 
     ``gate.counter_index()`` locates the step counter among the optimizer
     variables at each call (building the optimizer adds variables before
     it); ``read_counter()`` reads it from the state the call started from,
-    so only for the call's first step (``steps_per_execution`` runs
-    several). When that counter is not the one the previous call returned,
-    Keras re-read the state from the variables (a callback or the user may
-    have set them): ``gate.restart()`` drops what the host knew."""
+    so only for the call's first step. When that counter is not the one the
+    previous call returned, Keras re-read the state from the variables (a
+    callback or the user may have set them): ``gate.restart()`` drops what
+    the host knew."""
     returned = [None]
 
     def gated(state, iterator):
         index = gate.counter_index()
-        counter = None if index is None else state[2][index]
-        if counter is None or counter is not returned[0]:
+        if index is None:  # no counter to follow: the step refreshes itself
+            return train_function(state, iterator)
+        counter = state[2][index]
+        if counter is not returned[0]:
             gate.restart()
 
         def read_counter():
             return int(jax.device_get(counter.addressable_data(0)))
 
-        def batches():
-            first = True
-            for data in iterator:
-                due = gate.next_step(read_counter, first and counter is not None)
-                first = False
-                yield data if due or not isinstance(data, tuple) else Unprepared(data)
-
-        logs, state = train_function(state, batches())
-        returned[0] = None if index is None else state[2][index]
+        # Keras hands over the epoch's iterator: a call takes one execution's
+        # batches (``steps_per_execution``), as Keras' own loop does.
+        batches = itertools.islice(iterator, gate.steps_per_execution())
+        can_read, plain, logs, ran = True, [], None, False
+        with gate.outside():
+            for data in batches:
+                due = gate.next_step(read_counter, can_read)
+                can_read = False
+                if not due:
+                    plain.append(data)
+                    continue
+                if plain:
+                    logs, state = train_function(state, iter(plain))
+                    plain = []
+                state, undo = gate.prepare(state, data)
+                logs, state = train_function(state, iter([data]))
+                state, ran = gate.settle(state, undo), True
+            if plain or not ran:  # no batch at all: Keras' own StopIteration
+                logs, state = train_function(state, iter(plain))
+        returned[0] = state[2][index]
         return logs, state
 
     return gated
-
-
-def unwrap_unprepared(data):
-    """``(batch, prepare)`` for a step's data (see ``gate_preparation``)."""
-    if isinstance(data, Unprepared):
-        return tuple(data), False
-    return data, True
 
 
 # Keras offers no per-replica train step on this backend: gradients are global.

@@ -19,6 +19,9 @@ batch_small_products = True
 # Steps are traced and compiled: their branches stay on the device.
 eager_steps = False
 
+# LLQR's refresh is a branch of the step's graph (a cond not taken costs nothing).
+refresh_between_steps = False
+
 
 _TRACE_SECONDS = [0.0]
 
@@ -373,12 +376,6 @@ def compile(fn):
     return tf.function(fn)
 
 
-def compile_reading(fn, variables):
-    """`compile(fn)`: a tf.function reads the variables it captures at each
-    call."""
-    return compile(fn)
-
-
 def replica_count():
     """Replicas in sync under tf.distribute (1 without a strategy)."""
     ctx = tf.distribute.get_replica_context()
@@ -492,6 +489,5 @@ from keras_geosam.backend._generic import one_example  # noqa: E402
 from keras_geosam.backend._generic import add_scaled as _generic_add_scaled  # noqa: E402
 from keras_geosam.backend._generic import gate_preparation  # noqa: E402,F401
 from keras_geosam.backend._generic import sandwich  # noqa: E402,F401
-from keras_geosam.backend._generic import unwrap_unprepared  # noqa: E402,F401
 from keras_geosam.backend._generic import uncompiled  # noqa: E402,F401
 from keras_geosam.backend._generic import vdot as _generic_vdot  # noqa: E402

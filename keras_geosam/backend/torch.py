@@ -55,6 +55,9 @@ batch_small_products = True
 # Steps run eagerly: a data-dependent branch in a step is decided on the host.
 eager_steps = True
 
+# LLQR's refresh runs inside the eager step, decided on the host.
+refresh_between_steps = False
+
 # Eager torch decides a branch on the host: on an accelerator every
 # data-dependent ``if`` is a synchronisation, which a step avoids by running
 # both branches and selecting (cond_apply). On the CPU there is nothing to
@@ -245,11 +248,6 @@ def compile(fn):
     return fn
 
 
-def compile_reading(fn, variables):
-    """`fn` as it is: eager code reads the variables' values at each call."""
-    return fn
-
-
 def sandwich(A, Y, B):
     """``A Y_k B^T`` for every ``Y_k`` of `Y` (k, m, n) (``Y_k B^T`` when `A`
     is None). Two matmuls: torch.einsum with three operands dispatches
@@ -368,4 +366,3 @@ from keras_geosam.backend._generic import scale  # noqa: E402,F401
 
 # Eager steps decide the refresh on the host, inside the step.
 from keras_geosam.backend._generic import gate_preparation  # noqa: E402,F401
-from keras_geosam.backend._generic import unwrap_unprepared  # noqa: E402,F401

@@ -37,9 +37,10 @@ DECAY_MASKS = ("all", "kernels")
 
 class RefreshClock:
     """Wall time of the refreshes the host runs itself, measured exactly:
-    every refresh on eager torch (in the step or not) and every
-    ``refresh_now`` (``PreconditionerRefresh``). A refresh inside a compiled
-    step (JAX, TensorFlow) is timed by ``RefreshMonitor`` from the step
+    every refresh on eager torch (in the step or not), every refresh of
+    JAX's ``fit`` (run between steps) and every ``refresh_now``
+    (``PreconditionerRefresh``). A refresh inside a compiled TensorFlow step
+    is timed by its device clock or by ``RefreshMonitor`` from the step
     times instead. Not saved: a count of this process's seconds."""
 
     def __init__(self):
@@ -62,9 +63,10 @@ class RefreshClock:
 
     @property
     def exact_in_step(self):
-        """Whether in-step refreshes are on this clock (eager torch, or a
-        device clock inside the step)."""
-        return backend.eager_steps or (self._device is not None and self._device[1] is not None)
+        """Whether in-step refreshes are on this clock (eager torch, JAX's
+        refresh between steps, or a device clock inside the step)."""
+        return (backend.eager_steps or backend.refresh_between_steps
+                or (self._device is not None and self._device[1] is not None))
 
     def total(self):
         """Seconds of every refresh timed so far (a device read where a
@@ -311,15 +313,29 @@ class LearnedPreconditioner:
         gprod = lambda u: backend.hvp(fns.loss, list(values), u, non_trainable, x, y)
         return gbar, gprod
 
-    def refreshed(self, model, values, non_trainable, x, y):
-        """New U parameters after one refresh on batch ``(x, y)``."""
+    def refreshed(self, model, values, non_trainable, x, y, u=None):
+        """New U parameters after one refresh on batch ``(x, y)``, starting
+        from `u` (U's parameter values; default: its variables now)."""
         gbar, gprod = self._problem(model, values, non_trainable, x, y)
         return objective.refresh(
-            self.layout, [p.value for p in self.variables], gbar, gprod, self.groups,
+            self.layout, [p.value for p in self.variables] if u is None else list(u), gbar, gprod, self.groups,
             steps=self.refresh_steps, learning_rate=self.inner_learning_rate,
             momentum=self.inner_momentum, clip_norm=self.clip_norm, beta=self.beta,
             min_diagonal=self.min_diagonal, unroll=self._unroll(model),
         )
+
+    def refresh_program(self, model):
+        """``(u, values, non_trainable, x, y) -> new u``: one refresh as a
+        pure function of U's parameter values, compiled once per model
+        (``backend.compile``). ``refresh_now`` runs it, and so does JAX's
+        ``fit`` between two steps (``training.step.gate_preparation``): the
+        train step's own program then holds no refresh, compiles once and
+        keeps no refresh temporaries in its memory."""
+        cache = self.__dict__.setdefault("_programs", {})
+        if id(model) not in cache:
+            cache[id(model)] = backend.compile(
+                lambda u, values, nt, x, y: self.refreshed(model, values, nt, x, y, u=u))
+        return cache[id(model)]
 
     def _unroll(self, model):
         # XLA:CPU runs convolutions' kernel gradients many times slower
@@ -365,19 +381,13 @@ class LearnedPreconditioner:
         return list(zip(state, before))
 
     def refresh_now(self, model, x, y):
-        """Refreshes U eagerly on batch ``(x, y)`` at the model's weights."""
+        """Refreshes U eagerly on batch ``(x, y)`` at the model's weights;
+        `x` and `y` may be structures (a dict of named inputs), as in ``fit``."""
         values = [v.value for v in model.trainable_variables]
         non_trainable = [v.value for v in model.non_trainable_variables]
-        new = self.clock.timed(self._compiled(model))(values, non_trainable, ops.convert_to_tensor(x), ops.convert_to_tensor(y))
+        x, y = (keras.tree.map_structure(ops.convert_to_tensor, a) for a in (x, y))
+        u = [p.value for p in self.variables]
+        new = self.clock.timed(self.refresh_program(model))(u, values, non_trainable, x, y)
         for p, value in zip(self.variables, new):
             p.assign(value)
         self.refreshes.assign_add(1)
-
-    def _compiled(self, model):
-        cache = self.__dict__.setdefault("_cache", {})
-        if id(model) not in cache:
-            # The refresh starts from U's current values: they must be read
-            # at each call, not frozen into the compiled code.
-            cache[id(model)] = backend.compile_reading(
-                lambda values, nt, x, y: self.refreshed(model, values, nt, x, y), self.variables)
-        return cache[id(model)]

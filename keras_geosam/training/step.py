@@ -31,6 +31,9 @@ The JAX trainer passes state explicitly (``train_step(state, data)``);
 TensorFlow and torch mutate variables (``train_step(data)``).
 """
 
+import contextlib
+import contextvars
+import time
 from typing import NamedTuple
 
 import keras
@@ -277,33 +280,90 @@ def _loss_scale_grow(lso):
 
 
 class _RefreshGate:
-    """The host's side of JAX's step gating (``backend.gate_preparation``):
-    U's refresh schedule, on the optimizer's ``refresh_counter``."""
+    """The host's side of JAX's refresh between steps
+    (``backend.gate_preparation``): U's refresh schedule on the optimizer's
+    ``refresh_counter``, and the refresh itself as its own compiled program
+    (``LearnedPreconditioner.refresh_program``) on the explicit state that
+    Keras' JAX trainer threads from step to step."""
 
     def __init__(self, model, opt):
         self.model, self.opt = model, opt
         self.schedule = opt.preconditioner.schedule
 
+    def _index(self, variable):
+        return next((i for i, v in enumerate(self.model.optimizer.variables) if v is variable), None)
+
     def counter_index(self):
-        counter = self.opt.refresh_counter
-        return next((i for i, v in enumerate(self.model.optimizer.variables) if v is counter), None)
+        return self._index(self.opt.refresh_counter)
 
     def restart(self):
         self.schedule.forget()
 
+    def steps_per_execution(self):
+        return int(getattr(self.model, "steps_per_execution", 1) or 1)
+
     def next_step(self, read_counter, can_read):
         return self.schedule.next_step(read_counter, can_read)
 
+    @contextlib.contextmanager
+    def outside(self):
+        """Steps traced in this context leave ``prepare_step`` to ``prepare``."""
+        token = _PREPARED_OUTSIDE.set(True)
+        try:
+            yield
+        finally:
+            _PREPARED_OUTSIDE.reset(token)
+
+    def prepare(self, state, data):
+        """``(state, undo)``: `state` with U refreshed on the batch `data`
+        if a refresh is due before this step (read from the device: this
+        waits for the step before). `undo` lets :meth:`settle` put U back
+        if the step is then skipped for non-finite values."""
+        trainable, non_trainable, opt_vars, metric_values = state
+        counter = int(ops.convert_to_numpy(opt_vars[self.counter_index()]))
+        if not self.schedule.due_at(counter):
+            return state, None
+        pre = self.opt.preconditioner
+        positions = [self._index(v) for v in pre.variables + [pre.refreshes]]
+        old = [opt_vars[i] for i in positions]
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        start = time.perf_counter()
+        new = pre.refresh_program(self.model)(old[:-1], trainable, non_trainable, x, y)
+        new = list(new) + [old[-1] + ops.ones_like(old[-1])]
+        ops.convert_to_numpy(ops.reshape(new[0], (-1,))[0])  # the refresh's own time
+        pre.clock.add(time.perf_counter() - start)
+        opt_vars = list(opt_vars)
+        for i, value in zip(positions, new):
+            opt_vars[i] = value
+        return (trainable, non_trainable, opt_vars, metric_values), (positions, old, counter)
+
+    def settle(self, state, undo):
+        """`state` after the step that `prepare` refreshed U for: a skipped
+        step (its counter did not move) changes nothing, so U and the
+        refresh count go back, and the next finite step refreshes."""
+        if undo is None:
+            return state
+        positions, old, counter = undo
+        if int(ops.convert_to_numpy(state[2][self.counter_index()])) != counter:
+            return state
+        opt_vars = list(state[2])
+        for i, value in zip(positions, old):
+            opt_vars[i] = value
+        return (state[0], state[1], opt_vars, state[3])
+
+
+_PREPARED_OUTSIDE = contextvars.ContextVar("keras_geosam_prepared_outside", default=False)
+
 
 def gate_preparation(model):
-    """JAX: ``fit``'s steps that cannot need the optimizer's
-    ``prepare_step`` (no LLQR refresh due: the host bounds of U's
-    refresh schedule rule it out) run a compiled step without that branch. Applied once per
-    train function. The bounds restart at every ``make_train_function``
-    (each ``fit`` and ``train_on_batch``) and, on JAX, whenever Keras hands
-    the step a counter it did not return (state re-read from the variables).
-    A ``train_step`` override that rebuilds its data tuple keeps the branch
-    in every step (correct, not faster)."""
+    """JAX: ``fit``'s steps run one compiled program without U's refresh;
+    before a step that is due one (the host bounds of U's refresh schedule
+    tell which may be, reading the device only near due steps), the host
+    runs the refresh as its own compiled program on the step's batch and
+    state. Applied once per train function. The bounds restart at every
+    ``make_train_function`` (each ``fit`` and ``train_on_batch``) and, on
+    JAX, whenever Keras hands the step a counter it did not return (state
+    re-read from the variables)."""
     opt = unwrap(getattr(model, "optimizer", None))[0]
     fn = model.train_function
     if opt is None or not opt.prepares_steps or fn is None:
@@ -318,10 +378,11 @@ def gate_preparation(model):
 
 
 def stateless_train_step(model, state, data):
-    """JAX: the same core on explicit state, returning new state. A batch
-    marked by ``gate_preparation`` skips ``prepare_step`` (at trace time)."""
+    """JAX: the same core on explicit state, returning new state. A step
+    traced inside ``gate_preparation``'s calls leaves ``prepare_step`` (U's
+    refresh) to the host, which runs it between steps."""
     trainable, non_trainable, opt_vars, metric_values = state
-    data, prepare = backend.unwrap_unprepared(data)
+    prepare = not _PREPARED_OUTSIDE.get()
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     outer = model.optimizer
     opt, lso = unwrap(outer)
