@@ -20,14 +20,15 @@ class PreconditionerRefresh(keras.callbacks.Callback):
     callbacks once per execution, so due steps inside one would be missed.
 
     Args:
-        x, y: the data preconditioner batches are drawn from (arrays of
-            equal length).
+        x, y: the data preconditioner batches are drawn from: arrays of
+            equal length, or structures of them as ``fit`` takes (a dict of
+            named inputs, a list or tuple for several inputs or outputs).
         batch_size: examples per refresh batch (at most the data size).
             Defaults to `128`.
         seed: seeds the reshuffling. Defaults to `0`.
 
     Raises:
-        ValueError: if `x` and `y` differ in length or `batch_size` is not
+        ValueError: if the arrays of `x` and `y` differ in length or `batch_size` is not
             an integer >= 1; at the start of training, if the optimizer is
             not an LLQR/LLQRSAM with ``refresh_source="callback"`` or
             ``steps_per_execution`` is above 1.
@@ -51,13 +52,14 @@ class PreconditionerRefresh(keras.callbacks.Callback):
 
     def __init__(self, x, y, batch_size=128, seed=0):
         super().__init__()
-        self.x = np.asarray(ops.convert_to_numpy(x))
-        self.y = np.asarray(ops.convert_to_numpy(y))
-        if len(self.x) != len(self.y):
-            raise ValueError(f"x and y differ in length ({len(self.x)} vs {len(self.y)}).")
-        self.batch_size = min(check_int("batch_size", batch_size), len(self.x))
+        self.x, self.y = (keras.tree.map_structure(lambda a: np.asarray(ops.convert_to_numpy(a)), a) for a in (x, y))
+        lengths = {len(a) for a in keras.tree.flatten((self.x, self.y))}
+        if len(lengths) != 1:
+            raise ValueError(f"The arrays of x and y differ in length ({sorted(lengths)}).")
+        (self._n,) = lengths
+        self.batch_size = min(check_int("batch_size", batch_size), self._n)
         self._rng = np.random.default_rng(seed)
-        self._order, self._pos = self._rng.permutation(len(self.x)), 0
+        self._order, self._pos = self._rng.permutation(self._n), 0
         self.num_refreshes = 0
 
     def _optimizer(self):
@@ -89,11 +91,11 @@ class PreconditionerRefresh(keras.callbacks.Callback):
             )
 
     def _next_batch(self):
-        if self._pos + self.batch_size > len(self.x):
-            self._order, self._pos = self._rng.permutation(len(self.x)), 0
+        if self._pos + self.batch_size > self._n:
+            self._order, self._pos = self._rng.permutation(self._n), 0
         idx = self._order[self._pos : self._pos + self.batch_size]
         self._pos += self.batch_size
-        return self.x[idx], self.y[idx]
+        return keras.tree.map_structure(lambda a: a[idx], (self.x, self.y))
 
     def on_train_batch_begin(self, batch, logs=None):
         opt = self._optimizer()

@@ -166,3 +166,31 @@ def test_every_curvature_function_and_estimator_runs_on_keras_hub_models(name):
     assert trace.info["exact_part"] == pytest.approx(tr_ggn, rel=1e-4)
     if name == "gpt2":
         assert len(results["per_example"][0]) == 8
+
+
+def test_refreshes_take_the_models_named_inputs():
+    """``PreconditionerRefresh`` and ``refresh_now`` take the GPT-2 LM's own
+    dict inputs (``token_ids``, ``padding_mask``), as ``fit`` does: a
+    callback refresh on one batch gives the U (and, after the step, the
+    weights) of the in-step refresh on that batch (float32 rounding: the
+    callback shuffles the batch's rows)."""
+    results = {}
+    for source in ("step", "callback"):
+        keras.utils.set_random_seed(0)
+        model, x, y = _gpt2(np.random.default_rng(0))
+        x, y = {k: v[:8] for k, v in x.items()}, y[:8]
+        model = kg.attach(model)
+        opt = kg.optimizers.LLQRSAM(keras.optimizers.AdamW(1e-3), rho=0.05, structure="kfac", refresh_every=1000,
+                                    refresh_steps=3, refresh_source=source)
+        model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        callbacks = [kg.callbacks.PreconditionerRefresh(x, y, batch_size=8)] if source == "callback" else []
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+        assert int(keras.ops.convert_to_numpy(opt.refreshes)) == 1
+        results[source] = [np.asarray(keras.ops.convert_to_numpy(v)) for v in opt.preconditioner.variables + model.weights]
+    for a, b in zip(results["step"], results["callback"]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    u = [np.asarray(keras.ops.convert_to_numpy(v)) for v in opt.preconditioner.variables]
+    opt.refresh_now(model, x, y)  # the model's dict inputs, directly
+    assert int(keras.ops.convert_to_numpy(opt.refreshes)) == 2
+    assert max(np.max(np.abs(a - np.asarray(keras.ops.convert_to_numpy(b))))
+               for a, b in zip(u, opt.preconditioner.variables)) > 1e-6

@@ -1,0 +1,89 @@
+"""The two-pass train step (``keras_geosam/training/step.py``) compiles once.
+
+A model trained with LLQR+SAM is compiled by its first step and never
+again: on JAX the step is one program and U's refresh (due at steps 0 and 3
+here) is a second one, run between steps, both compiled at step 0; on
+TensorFlow the step's graph, refresh branch included, is traced once.
+Counted over the first four steps (three without a refresh, one with),
+through ``fit`` and through ``train_on_batch`` (each call of which re-reads
+the state from the variables). torch runs the step eagerly: nothing
+compiles, nothing to count.
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_geosam as kg
+
+BACKEND = keras.backend.backend()
+pytestmark = pytest.mark.skipif(BACKEND == "torch", reason="torch runs the step eagerly: it compiles nothing")
+
+_COMPILED = [0]  # XLA compilations in this process (JAX)
+
+
+def _count(event, seconds, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+        _COMPILED[0] += 1
+
+
+if BACKEND == "jax":
+    import jax
+
+    jax.monitoring.register_event_duration_secs_listener(_count)
+
+
+class _Counting(kg.Sequential):
+    """Counts runs of ``train_step``'s Python body: traces on JAX and TF."""
+
+    traces = 0
+
+    def train_step(self, *args):
+        self.traces += 1
+        return super().train_step(*args)
+
+
+def _compilations(model):
+    return _COMPILED[0] if BACKEND == "jax" else model.traces
+
+
+def _model(structure):
+    keras.utils.set_random_seed(0)
+    model = _Counting([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+    opt = kg.optimizers.LLQRSAM(keras.optimizers.AdamW(1e-2), rho=0.05, structure=structure, refresh_every=3,
+                                refresh_steps=3)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+class _PerStep(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.counts = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.counts.append(_compilations(self.model))
+
+
+@pytest.mark.parametrize("structure", ["diagonal", "kfac"])
+def test_the_first_step_compiles_everything_the_next_two_compile_nothing(structure):
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 6)).astype("float32"), rng.integers(0, 3, 16)
+
+    before = _compilations(model := _model(structure))
+    per_step = _PerStep()
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[per_step])
+    assert int(keras.ops.convert_to_numpy(model.optimizer.refreshes)) == 2  # steps 0 and 3
+    assert per_step.counts[0] > before
+    assert per_step.counts[1:] == [per_step.counts[0]] * 3, per_step.counts
+    if BACKEND == "tensorflow":
+        assert model.traces == 1
+
+    # train_on_batch, as a user trying a model does: the same.
+    model = _model(structure)
+    counts = []
+    for start in range(0, 16, 4):
+        model.train_on_batch(x[start:start + 4], y[start:start + 4])
+        counts.append(_compilations(model))
+    assert int(keras.ops.convert_to_numpy(model.optimizer.refreshes)) == 2
+    assert counts[1:] == [counts[0]] * 3, counts
