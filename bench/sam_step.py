@@ -81,6 +81,7 @@ import time
 import warnings
 
 from _backends import run_each_backend  # noqa: E402  (bench/ is the script's own folder)
+from _flops import u_flops  # noqa: E402
 MODELS = ("mlp", "cnn")  # the default --models
 # Attention models: run only when named in --models (or --vit-widths); peers skipped.
 ATTENTION_MODELS = ("transformer", "vit")
@@ -348,27 +349,6 @@ def time_refresh(keras, model, x, y, repeats):
     return first, statistics.median(once() for _ in range(repeats))
 
 
-def u_flops(np, layout):
-    """FLOPs of one application of U from its layout ``[(block class,
-    shape, split)]`` (``optimizer.preconditioner.layout``), matrix view
-    (m, n) = (prod(shape[:split]), prod(shape[split:])): a KFAC block
-    A X B^T costs 2 (m^2 n + m n^2), an EKFAC block twice that (two basis
-    changes each way), a DiagonalInputKFAC block (Embedding) diag(a) X B^T
-    2 m n^2 and a DiagonalInputEKFAC (s * (X Q_G)) Q_G^T 4 m n^2; diagonal
-    blocks are elementwise (not counted)."""
-    total = 0
-    for cls, shape, split in layout:
-        if split is None:
-            continue
-        m, n = int(np.prod(shape[:split])), int(np.prod(shape[split:]))
-        name = cls.__name__
-        if name.startswith("DiagonalInput"):
-            total += (2 if name.endswith("EKFAC") else 1) * 2 * m * n * n
-        else:
-            total += (2 if name == "EKFAC" else 1) * 2 * (m * m * n + m * n * n)
-    return total
-
-
 def kernel_positions(np, model, layout_by_path):
     """``{kernel path: positions}``: how many positions per example a
     kernel's matmul runs at, from its top-level layer's output shape. A
@@ -413,7 +393,7 @@ def kfac_flops(np, model, batch):
 
     P = model.optimizer.preconditioner
     by_path = dict(zip(P.paths, P.layout))
-    u = 2 * u_flops(np, P.layout)
+    u = 2 * u_flops(P.layout)
     positions = kernel_positions(np, model, by_path)
     first_path = model.trainable_variables[0].path
     grad = 0
@@ -565,9 +545,9 @@ def measure_cell(keras, kg, np, b, name, batch, w0, cfg, timer_cls):
                               "refreshes_in_timed_steps": refreshes_before - (1 if cfg["llqr_source"] == "step" else 0)}
     if "llqr_kfac" in models and "sam" in models:
         log(f"[{b}] {name} b={batch} LLQR+SAM K-FAC: FLOP floor (one U product, one gradient)")
-        u_flops, grad_flops = kfac_flops(np, models["llqr_kfac"], batch)
+        u_step_flops, grad_flops = kfac_flops(np, models["llqr_kfac"], batch)
         u_s, grad_s = time_kfac_floor(keras, np, models["llqr_kfac"], x[:batch], y[:batch])
-        cell["kfac_floor"] = {"u_flops_per_step": u_flops, "grad_flops": grad_flops, "u_product_s": u_s, "grad_s": grad_s}
+        cell["kfac_floor"] = {"u_flops_per_step": u_step_flops, "grad_flops": grad_flops, "u_product_s": u_s, "grad_s": grad_s}
     derive(cell)
     del models
     return cell
