@@ -8,6 +8,12 @@ One backend per process (Keras cannot switch backends inside a process):
     KERAS_BACKEND=jax python bench/device_check.py [--quick] [--json out.json]
     python bench/device_check.py --all [--quick] [--json out.json]
     python bench/device_check.py --all --policies float32,mixed_bfloat16
+    python bench/device_check.py --scale [--quick] [--json out.json]   # bench/scale.py's table
+
+``--scale`` runs ``bench/scale.py`` instead: GPT-2-small (124M), ViT-B/16
+and ResNet-50 at both work sizes on every backend, one process per
+optimizer, peak memory from the device's allocator (``--quick``: GPT-2
+with 2 blocks at 512 tokens).
 
 ``--all`` runs this script once per backend (jax, tensorflow, torch) in a
 subprocess with ``KERAS_BACKEND`` set; each backend's tables go to stderr,
@@ -614,7 +620,18 @@ def main(argv=None):
     ap.add_argument("--json", help="write every row (device, backend, policy, model, optimizer, ms, ratio, errors) here")
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated dtype policies (default: %(default)s)")
     ap.add_argument("--batch", type=int, help="one batch size for every model (default: MLP 256, ResNets 64; --quick: 32 and 8)")
+    ap.add_argument("--scale", action="store_true",
+                    help="instead: bench/scale.py's table (GPT-2-small, ViT-B/16, ResNet-50; every backend, both work "
+                         "sizes, one process per optimizer, the allocator's peak) in one command")
     args = ap.parse_args(argv)
+    if args.scale:
+        import scale
+
+        extra = ["--json", args.json] if args.json else []
+        shapes = "gpt2_2" if args.quick else "gpt2,vit_b16,resnet50"
+        work = "small" if args.quick else "small,large"
+        backends = "all" if args.all or not os.environ.get("KERAS_BACKEND") else os.environ["KERAS_BACKEND"]
+        return scale.main(["--backends", backends, "--shapes", shapes, "--work", work] + extra)
     if args.batch is not None and args.batch < 1:
         ap.error("--batch must be >= 1")
     if args.all:

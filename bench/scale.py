@@ -24,9 +24,9 @@ ResNet), SAM (rho 0.05) and LLQR+SAM (rho 0.05) with a diagonal, K-FAC and
 EK-FAC U, each on that base, through ``kg.attach`` and ``fit`` on random
 data. Per method:
 
-- ``step_s``: the median per-step time of the timed epochs (``--epochs``
-  of ``--steps`` steps after a first epoch that compiles; an epoch ends on
-  a host read of its logs, so all queued work is in it). LLQR+SAM's steps
+- ``step_s``: the median time of ``--steps`` ``train_on_batch`` steps
+  (each returns its loss to the host, so all its work is in it) after two
+  that compile and warm up; ``step_min_s`` the fastest. LLQR+SAM's steps
   here never refresh (``refresh_source="callback"``), so the step is read
   apart from the refresh;
 - ``compile_s``: the first step's time less a timed step (compilation and
@@ -37,11 +37,13 @@ data. Per method:
   ``refresh_compiles``: compilations during the warm refresh (JAX: XLA's
   compile events; 0 means compiled once);
 - ``peak``: on a CPU the process's resident-set high-water mark over the
-  timed epochs (reset after the first epoch; ``VmHWM``) less its resident
+  timed steps (reset before them; ``VmHWM``) less its resident
   set before the model was built, in bytes and bytes per parameter; on a
   GPU the allocator's peak (JAX ``memory_stats``, torch
   ``max_memory_allocated``, TensorFlow ``get_memory_info``). The same for
-  the warm refresh (``refresh_peak``);
+  the warm refresh (``refresh_peak``). On JAX also XLA's own accounting
+  of the compiled step and refresh programs (``xla_step_bytes``,
+  ``xla_refresh_bytes``: arguments and temporaries, no allocator slack);
 - FLOPs: the forward pass counted from its products (``_flops.py``), a
   gradient as 3 forwards; U's products from its layout.
 
@@ -268,27 +270,29 @@ def run_one(args, shape, work, method):
     log(f"[{b}] {shape} {work} {method}: {params / 1e6:.1f}M parameters, {out['units']} "
         f"{'tokens' if positions > 1 else 'images'} per step, forward {out['forward_flops'] / 1e9:.1f} GFLOP")
 
-    times = []
-
-    class Timer(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            if epoch == 1:
-                memory.reset()  # the timed epochs' peak, not the compilation's
-            self.t0, self.c0 = time.perf_counter(), backend.compile_seconds()
-
-        def on_epoch_end(self, epoch, logs=None):
-            times.append((time.perf_counter() - self.t0, backend.compile_seconds() - self.c0))
-
-    model.fit(x, y, batch_size=per_step, epochs=1 + args.epochs, shuffle=False, verbose=0, callbacks=[Timer()])
+    # train_on_batch, one batch at a time: keras-hub's fit feeds numpy data
+    # through a grain / tf.data pipeline whose epoch end stalls for seconds
+    # (seen on torch: epochs ending at 10.23 s whatever their steps took).
+    batches = [keras.tree.map_structure(lambda t, i=i: t[i * per_step:(i + 1) * per_step], (x, y))
+               for i in range(args.steps)]
+    c0, t0 = backend.compile_seconds(), time.perf_counter()
+    model.train_on_batch(*batches[0])
+    first_s, out["compile_events_s"] = time.perf_counter() - t0, backend.compile_seconds() - c0
+    model.train_on_batch(*batches[1 % args.steps])
+    memory.reset()  # the timed steps' peak, not the compilation's
+    c0, times = backend.compile_seconds(), []
+    for i in range(args.steps):
+        t0 = time.perf_counter()
+        model.train_on_batch(*batches[i])  # returns the loss on the host: the step has run
+        times.append(time.perf_counter() - t0)
     out["peak_bytes"] = memory.peak() - (rss_before if memory.device is None else 0)
-    per_step_s = [t / args.steps for t, _ in times[1:]]
-    out["step_s"] = statistics.median(per_step_s)
-    out["step_s_all"] = per_step_s
-    out["compile_s"] = times[0][0] - args.steps * out["step_s"]
-    out["compile_events_s"] = times[0][1]
-    out["compile_after_first_epoch_s"] = sum(c for _, c in times[1:])
-    log(f"[{b}] {shape} {work} {method}: step {out['step_s']:.3f} s, first step's compilation {out['compile_s']:.1f} s, "
-        f"peak {out['peak_bytes'] / 1e9:.2f} GB")
+    if b == "jax":
+        out["xla_step_bytes"] = _xla_step_bytes(model, batches[0])
+    out["step_s"], out["step_min_s"], out["step_s_all"] = statistics.median(times), min(times), times
+    out["compile_s"] = first_s - out["step_s"]
+    out["compile_after_first_step_s"] = backend.compile_seconds() - c0
+    log(f"[{b}] {shape} {work} {method}: step {out['step_s']:.3f} s (min {out['step_min_s']:.3f}), first step's "
+        f"compilation {out['compile_s']:.1f} s, peak {out['peak_bytes'] / 1e9:.2f} GB")
     if method in STRUCTURE:
         pre = opt.preconditioner
         out["u_flops"] = u_flops(pre.layout)
@@ -304,8 +308,27 @@ def run_one(args, shape, work, method):
         out["refresh_compile_s"] -= out["refresh_s"]
         out["refresh_compiles_s"] = backend.compile_seconds() - c0
         out["refresh_peak_bytes"] = memory.peak() - (rss_before if memory.device is None else 0)
+        if b == "jax":
+            values = [v.value for v in model.trainable_variables]
+            nt = [v.value for v in model.non_trainable_variables]
+            compiled = pre.refresh_program(model).lower([p.value for p in pre.variables], values, nt, xb, yb).compile()
+            analysis = compiled.memory_analysis()
+            out["xla_refresh_bytes"] = {"arguments": analysis.argument_size_in_bytes, "temporaries": analysis.temp_size_in_bytes}
         log(f"[{b}] {shape} {work} {method}: refresh {out['refresh_s']:.1f} s (first call +{out['refresh_compile_s']:.1f} s)")
     return out
+
+
+def _xla_step_bytes(model, batch):
+    """JAX: XLA's own accounting of the compiled train step (no allocator
+    slack): its arguments (the state: weights, optimizer slots, U) and its
+    temporaries (gradients, perturbed weights, activations), in bytes. The
+    step is compiled once more here, as Keras' ``fit`` compiles it."""
+    import jax
+
+    state = model._get_jax_state(trainable_variables=True, non_trainable_variables=True, optimizer_variables=True,
+                                 metrics_variables=True)
+    analysis = jax.jit(model.train_step, donate_argnums=0).lower(state, batch).compile().memory_analysis()
+    return {"arguments": analysis.argument_size_in_bytes, "temporaries": analysis.temp_size_in_bytes}
 
 
 # ---------------------------------------------------------------- driver ---
@@ -314,7 +337,7 @@ def child(args, b, shape, work, method):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
     cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{shape}:{work}:{method}", "--json", path,
-           "--steps", str(args.steps), "--epochs", str(args.epochs), "--refresh-steps", str(args.refresh_steps)]
+           "--steps", str(args.steps), "--refresh-steps", str(args.refresh_steps)]
     env = dict(os.environ, KERAS_BACKEND=b, TF_CPP_MIN_LOG_LEVEL="2")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, stdout=sys.stderr, timeout=args.timeout)
@@ -405,6 +428,24 @@ def table(rows):
     return "\n".join(lines)
 
 
+def memory_table(rows):
+    """JAX rows: XLA's accounting of the step and refresh programs, in
+    copies of the weights (4 bytes per parameter in float32)."""
+    lines = ["| shape | work | method | step: state | step: temporaries | step total (B/param) | "
+             "refresh: temporaries |", "|" + "---|" * 7]
+    for r in rows:
+        if "xla_step_bytes" not in r:
+            continue
+        w = 4 * r["params"]
+        step = r["xla_step_bytes"]
+        refresh = r.get("xla_refresh_bytes")
+        total = step["arguments"] + step["temporaries"]
+        lines.append(f"| {r['shape']} | {r['work']} | {LABELS[r['method']]} | {step['arguments'] / w:.2f} | "
+                     f"{step['temporaries'] / w:.2f} | {total / w:.2f} ({total / r['params']:.1f}) | "
+                     f"{_f(refresh and refresh['temporaries'] / w)} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def goals(cells):
     out = []
 
@@ -463,6 +504,9 @@ def machine_line():
 def report(rows):
     cells = derive(rows)
     text = [f"Machine: {machine_line()}", "", table(rows), "", "Goals:", goals(cells)]
+    memory = memory_table(rows)
+    if memory:
+        text += ["", "JAX: XLA's accounting of the compiled programs, in copies of the weights:", memory]
     exp = exponent(rows)
     if exp:
         text += ["", "Overhead exponent:", exp]
@@ -476,8 +520,7 @@ def main(argv=None):
     p.add_argument("--shapes", default="gpt2_2")
     p.add_argument("--work", default="small", help="small, large or both (comma-separated)")
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--steps", type=int, default=2, help="steps per epoch")
-    p.add_argument("--epochs", type=int, default=3, help="timed epochs after the first")
+    p.add_argument("--steps", type=int, default=8, help="timed steps")
     p.add_argument("--refresh-steps", type=int, default=REFRESH_STEPS)
     p.add_argument("--exponent", action="store_true", help="base and LLQR+SAM diag over GPT-2 widths")
     p.add_argument("--toy", action="store_true", help="a tiny GPT-2, every method in this process (seconds)")
@@ -489,7 +532,7 @@ def main(argv=None):
     args.backends = list(BACKENDS) if args.backends == "all" else args.backends.split(",")
     args.shapes, args.work, args.methods = args.shapes.split(","), args.work.split(","), args.methods.split(",")
     if args.toy:
-        args.in_process, args.steps, args.epochs, args.refresh_steps = True, 2, 4, 2
+        args.in_process, args.steps, args.refresh_steps = True, 4, 2
         args.backends = [os.environ.get("KERAS_BACKEND", "jax")]
     if args.one:
         row = run_one(args, *args.one.split(":"))

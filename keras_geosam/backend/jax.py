@@ -200,6 +200,19 @@ def save_from_primary(save):
     multihost_utils.sync_global_devices("keras_geosam.save_from_primary")
 
 
+class _Host:
+    """The gate's explicit reads from the device (never an implicit
+    transfer, which ``jax.transfer_guard`` would refuse on an accelerator)."""
+
+    @staticmethod
+    def read(array):
+        return int(jax.device_get(array.addressable_data(0)))
+
+    @staticmethod
+    def wait(arrays):
+        jax.block_until_ready(arrays)
+
+
 def gate_preparation(train_function, gate):
     """Keras' JAX ``train_function(state, iterator)``, each of whose steps
     asks the host ``gate.next_step(read_counter, can_read)`` whether the
@@ -207,9 +220,10 @@ def gate_preparation(train_function, gate):
     The steps themselves never hold the refresh (traced under
     ``gate.outside()``): one program for every step, compiled once, without
     the refresh's temporaries. Before a step that may be due,
-    ``gate.prepare(state, data)`` runs the refresh as its own program on the
-    state, the step runs alone, and ``gate.settle`` undoes the refresh if
-    the step was skipped; runs of other steps go to ``train_function``
+    ``gate.prepare(state, data, host)`` runs the refresh as its own program
+    on the state, the step runs alone, and ``gate.settle`` undoes the
+    refresh if the step was skipped (``host`` reads the step counter
+    explicitly); runs of other steps go to ``train_function``
     together (``steps_per_execution``).
 
     ``gate.counter_index()`` locates the step counter among the optimizer
@@ -230,7 +244,7 @@ def gate_preparation(train_function, gate):
             gate.restart()
 
         def read_counter():
-            return int(jax.device_get(counter.addressable_data(0)))
+            return _Host.read(counter)
 
         # Keras hands over the epoch's iterator: a call takes one execution's
         # batches (``steps_per_execution``), as Keras' own loop does.
@@ -246,9 +260,9 @@ def gate_preparation(train_function, gate):
                 if plain:
                     logs, state = train_function(state, iter(plain))
                     plain = []
-                state, undo = gate.prepare(state, data)
+                state, undo = gate.prepare(state, data, _Host)
                 logs, state = train_function(state, iter([data]))
-                state, ran = gate.settle(state, undo), True
+                state, ran = gate.settle(state, undo, _Host), True
             if plain or not ran:  # no batch at all: Keras' own StopIteration
                 logs, state = train_function(state, iter(plain))
         returned[0] = state[2][index]

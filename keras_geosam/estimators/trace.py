@@ -10,7 +10,9 @@
 Probes are drawn on the device in the operator's dtype
 (:mod:`keras_geosam.curvature.probes`): one seed gives the same probes on
 every backend. ``z^T A z`` is reduced per tensor on the device; only k
-scalars per tensor reach the host.
+scalars per tensor reach the host. A quadratic form ``z^T S A S z``
+under a symmetric per-tensor S (a metric's inverse square root) takes one
+product with S: ``(S z)^T A (S z)`` (``LinearOperator.quadratic_pair``).
 """
 
 import math
@@ -54,7 +56,7 @@ def quadratic_forms(op, start, count, seed, stream="hutchinson"):
     for s in range(start, start + count, step):
         k = min(step, start + count - s)
         z = probes.rademacher(seed, s, k, op.shapes, op.dtype, stream)
-        out.append(np.asarray(ops.convert_to_numpy(_inner(z, op.matmat(z))), dtype="float64"))
+        out.append(np.asarray(ops.convert_to_numpy(_inner(*op.quadratic_pair(z))), dtype="float64"))
     return np.concatenate(out, axis=0)
 
 
@@ -158,11 +160,11 @@ def hutchpp(op, num_matvecs=30, seed=0, shift=0.0, paths=None):
     sketch = op.matmat(probes.rademacher(seed, 0, k, op.shapes, op.dtype, "sketch"))
     q, _ = ops.qr(ops.transpose(flatten(sketch)))  # (dim, k), orthonormal columns
     Q = unflatten(ops.transpose(q), op.shapes)
-    exact = np.asarray(ops.convert_to_numpy(per_tensor_inner(Q, op.matmat(Q))), dtype="float64").sum(axis=0)
+    exact = np.asarray(ops.convert_to_numpy(per_tensor_inner(*op.quadratic_pair(Q))), dtype="float64").sum(axis=0)
     g = flatten(probes.rademacher(seed, 0, k, op.shapes, op.dtype, "hutchinson"))
     g = g - ops.einsum("kj,pj->kp", ops.einsum("kp,pj->kj", g, q), q)  # project out the sketched range
     G = unflatten(g, op.shapes)
-    rows = np.asarray(ops.convert_to_numpy(per_tensor_inner(G, op.matmat(G))), dtype="float64")
+    rows = np.asarray(ops.convert_to_numpy(per_tensor_inner(*op.quadratic_pair(G))), dtype="float64")
     info = {"estimator": "hutch++", "sketch_rank": k, "num_matvecs": 3 * k, "seed": seed, "exact_on_sketch": float(exact.sum())}
     est = from_samples(rows.sum(axis=1), dict(zip(paths, rows.T + exact[:, None])), info, shift=shift + float(exact.sum()))
     return est

@@ -91,6 +91,14 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
             a Dropout layer created without a ``seed`` draws from torch's
             global RNG, so its masks differ between passes whatever this
             says; give such layers a seed for ``"same"``.
+        grad_cosine: log ``grad_cosine``, cos(g_c, g_p), every step
+            (default). It is the one statistic that needs the centre
+            gradient after the perturbed pass: with `False` the step lets go
+            of g_c once it has formed theta + eps, so SAM's step holds one
+            copy of the weights more than its base optimizer's (the
+            perturbed weights) instead of two (F-SAM keeps g_c for its
+            average either way). ``sharpness_gap`` and ``grad_norm`` are
+            logged either way.
         perturbation: under ``tf.distribute`` each replica sees its own
             gradient: ``"global"`` (default) all-reduces the centre gradient
             so every replica uses one perturbation; ``"per_replica"`` perturbs
@@ -131,7 +139,8 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
     ValueError: SAM does not take `weight_decay`: set it on the base optimizer, ...
     """
 
-    def __init__(self, base_optimizer, bn_stats="centre", dropout="fresh", perturbation="global", name=None, **kwargs):
+    def __init__(self, base_optimizer, bn_stats="centre", dropout="fresh", perturbation="global", name=None,
+                 grad_cosine=True, **kwargs):
         for key, default in _BASE_ONLY_KWARGS.items():
             if key in kwargs and kwargs.pop(key) != default:
                 raise ValueError(
@@ -157,16 +166,30 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
             raise ValueError(f"dropout must be one of {_DROPOUT}, got {dropout!r}.")
         if perturbation not in _PERTURBATION:
             raise ValueError(f"perturbation must be one of {_PERTURBATION}, got {perturbation!r}.")
+        if not isinstance(grad_cosine, bool):
+            raise ValueError(f"grad_cosine must be True or False, got {grad_cosine!r}.")
         super().__init__(learning_rate=0.0, name=name)
         self.base_optimizer = base_optimizer
         self.bn_stats = bn_stats
         self.dropout = dropout
         self.perturbation_mode = perturbation
+        self.grad_cosine = grad_cosine
         self._owned_by_step = False
 
     # Gradients per step: 2 for the SAM family; LLQR alone needs only the
     # centre gradient but still the model (to refresh U), hence this step.
     num_passes = 2
+
+    # Whether update_state or descent_gradients read the centre gradients
+    # (F-SAM's average does); a subclass that does not says so, and the
+    # step can then free them after the ascent (``keeps_centre_gradients``).
+    reads_centre_gradients = True
+
+    @property
+    def keeps_centre_gradients(self):
+        """Whether the step holds g_c through the perturbed pass: for
+        ``grad_cosine`` or for this optimizer's own update."""
+        return self.grad_cosine or self.reads_centre_gradients
 
     # Whether perturbation, update_state and descent_gradients take a sparse
     # gradient (TensorFlow's IndexedSlices for an Embedding) through the
@@ -298,6 +321,7 @@ class TwoPassOptimizer(keras.optimizers.Optimizer):
             "bn_stats": self.bn_stats,
             "dropout": self.dropout,
             "perturbation": self.perturbation_mode,
+            "grad_cosine": self.grad_cosine,
         }
 
     @classmethod

@@ -51,6 +51,8 @@ class FisherSAM(TwoPassOptimizer):
     ValueError: eta must be finite and > 0.0, got 0.0.
     """
 
+    reads_centre_gradients = False  # the descent takes g_p alone
+
     def __init__(self, base_optimizer, rho=0.05, eta=0.1, bn_stats="centre", dropout="fresh", perturbation="global", name="FisherSAM", **kwargs):
         super().__init__(base_optimizer, bn_stats=bn_stats, dropout=dropout, perturbation=perturbation, name=name, **kwargs)
         self.rho = check_number("rho", rho)

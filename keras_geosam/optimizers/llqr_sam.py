@@ -122,8 +122,13 @@ class LLQRSAM(PreconditionedOptimizer):
             scale = scale * ops.cast(ops.greater_equal(self.iterations, self.sam_start_step), scale.dtype)
         return scale, w
 
+    @property
+    def reads_centre_gradients(self):
+        return self.ascent == "fsam"  # the trend's average
+
     def update_state(self, centre_grads, perturbed_grads):
-        update_trend(self._average, centre_grads, self.fsam_momentum)
+        if self.ascent == "fsam":
+            update_trend(self._average, centre_grads, self.fsam_momentum)
 
     def descent_gradients(self, centre_grads, perturbed_grads, values):
         return self.preconditioner.descent(perturbed_grads, values)

@@ -53,6 +53,8 @@ class SAM(TwoPassOptimizer):
     'ASAM'
     """
 
+    reads_centre_gradients = False  # the descent takes g_p alone
+
     def __init__(self, base_optimizer, rho=0.05, adaptive=False, eta=0.01, bn_stats="centre", dropout="fresh", perturbation="global", name=None, **kwargs):
         super().__init__(base_optimizer, bn_stats=bn_stats, dropout=dropout, perturbation=perturbation, name=name or ("ASAM" if adaptive else "SAM"), **kwargs)
         self.rho = check_number("rho", rho)

@@ -52,6 +52,8 @@ def _prepare(model):
     # are no weights, so adding the trackers is safe.
     with keras_internals.unlocked_tracking(model):
         for name in _step.SAM_METRICS if opt.num_passes == 2 else ():
+            if name == "grad_cosine" and not opt.grad_cosine:
+                continue
             if getattr(model, "_geosam_" + name, None) is None:
                 setattr(model, "_geosam_" + name, keras.metrics.Mean(name=name))
         if getattr(model, "_geosam_skipped_steps", None) is None:

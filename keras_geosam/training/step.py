@@ -63,14 +63,18 @@ class TwoPassResult(NamedTuple):
 
 
 def _finalise(result):
-    """`result` with the squared norms, their dot product and the finite flag."""
+    """`result` with the squared norms, their dot product and the finite flag.
+    A step that let go of g_c (``keeps_centre_gradients``) brings its
+    squared norm instead, and has no dot product."""
     g_c, g_p = result.grads_centre, result.grads_perturbed
-    sq_c = backend.vdot(g_c, g_c, "float32")
+    sq_c = result.sq_norm_centre if g_c is None else backend.vdot(g_c, g_c, "float32")
+    dot = None
     if g_p is g_c:
         sq_p = dot = sq_c
     else:
         sq_p = backend.vdot(g_p, g_p, "float32")
-        dot = backend.vdot(g_c, g_p, "float32")
+        if g_c is not None:
+            dot = backend.vdot(g_c, g_p, "float32")
     # NaN or Inf anywhere in a gradient makes its squared norm non-finite.
     total = ops.cast(result.loss_centre, "float32") + ops.cast(result.loss_perturbed, "float32") + sq_c + sq_p
     return result._replace(sq_norm_centre=sq_c, sq_norm_perturbed=sq_p, dot=dot, finite=ops.isfinite(total))
@@ -138,6 +142,11 @@ def two_pass(model, optimizer, trainable, non_trainable, metric_values, x, y, sa
     if optimizer.num_passes == 1:
         return _finalise(TwoPassResult(loss_c, loss_c, g_c, g_c, y_pred, ntv_c, mv_c))
     perturbed = optimizer.perturbed_weights(g_c, list(trainable))
+    sq_c = None
+    if not optimizer.keeps_centre_gradients:
+        # Nothing after the ascent reads g_c: let go of it before the
+        # perturbed pass (one copy of the weights less at the step's peak).
+        sq_c, g_c = backend.vdot(g_c, g_c, "float32"), None
     # Floats restart from the step's values (one pass updates BN statistics);
     # integer RNG state continues from the centre pass unless dropout="same".
     fresh = optimizer.dropout == "fresh"
@@ -149,7 +158,7 @@ def two_pass(model, optimizer, trainable, non_trainable, metric_values, x, y, sa
         g_p = _unscale(g_p, scale)
     keep = ntv_c if optimizer.bn_stats == "centre" else ntv_p
     new_ntv = [k if _is_float(v) else p for v, k, p in zip(non_trainable, keep, ntv_p)]
-    return _finalise(TwoPassResult(loss_c, loss_p, g_c, g_p, y_pred, new_ntv, mv_c))
+    return _finalise(TwoPassResult(loss_c, loss_p, g_c, g_p, y_pred, new_ntv, mv_c, sq_norm_centre=sq_c))
 
 
 def _unscale(grads, scale):
@@ -164,12 +173,14 @@ def _is_float(value):
 
 def _sam_statistics(result):
     norm_c, norm_p = ops.sqrt(result.sq_norm_centre), ops.sqrt(result.sq_norm_perturbed)
-    cos = result.dot / (norm_c * norm_p + 1e-30)
     # Under tf.distribute both losses are scaled by 1/replicas (as the loss
     # tracker's is); unscaled, the replicas' mean is the global gap.
     gap = (ops.cast(_unscale_for_replicas(result.loss_perturbed), "float32")
            - ops.cast(_unscale_for_replicas(result.loss_centre), "float32"))
-    return {"sharpness_gap": gap, "grad_norm": norm_c, "grad_cosine": cos}
+    stats = {"sharpness_gap": gap, "grad_norm": norm_c}
+    if result.dot is not None:
+        stats["grad_cosine"] = result.dot / (norm_c * norm_p + 1e-30)
+    return stats
 
 
 def _unscale_for_replicas(loss):
@@ -198,7 +209,7 @@ def _update_trackers(model, result, x, y, sample_weight):
     weight = ops.cast(finite, "float32")
     for name in SAM_METRICS:
         tracker = getattr(model, "_geosam_" + name, None)
-        if tracker is not None:
+        if tracker is not None and name in stats:
             # A skipped step contributes nothing to the epoch averages.
             tracker.update_state(ops.where(finite, stats[name], 0.0), sample_weight=weight)
     skipped = getattr(model, "_geosam_skipped_steps", None)
@@ -314,13 +325,14 @@ class _RefreshGate:
         finally:
             _PREPARED_OUTSIDE.reset(token)
 
-    def prepare(self, state, data):
+    def prepare(self, state, data, host):
         """``(state, undo)``: `state` with U refreshed on the batch `data`
-        if a refresh is due before this step (read from the device: this
-        waits for the step before). `undo` lets :meth:`settle` put U back
-        if the step is then skipped for non-finite values."""
+        if a refresh is due before this step (the counter read from the
+        device with ``host.read``: this waits for the step before). `undo`
+        lets :meth:`settle` put U back if the step is then skipped for
+        non-finite values."""
         trainable, non_trainable, opt_vars, metric_values = state
-        counter = int(ops.convert_to_numpy(opt_vars[self.counter_index()]))
+        counter = host.read(opt_vars[self.counter_index()])
         if not self.schedule.due_at(counter):
             return state, None
         pre = self.opt.preconditioner
@@ -330,21 +342,21 @@ class _RefreshGate:
         start = time.perf_counter()
         new = pre.refresh_program(self.model)(old[:-1], trainable, non_trainable, x, y)
         new = list(new) + [old[-1] + ops.ones_like(old[-1])]
-        ops.convert_to_numpy(ops.reshape(new[0], (-1,))[0])  # the refresh's own time
+        host.wait(new)  # the refresh's own time
         pre.clock.add(time.perf_counter() - start)
         opt_vars = list(opt_vars)
         for i, value in zip(positions, new):
             opt_vars[i] = value
         return (trainable, non_trainable, opt_vars, metric_values), (positions, old, counter)
 
-    def settle(self, state, undo):
+    def settle(self, state, undo, host):
         """`state` after the step that `prepare` refreshed U for: a skipped
         step (its counter did not move) changes nothing, so U and the
         refresh count go back, and the next finite step refreshes."""
         if undo is None:
             return state
         positions, old, counter = undo
-        if int(ops.convert_to_numpy(state[2][self.counter_index()])) != counter:
+        if host.read(state[2][self.counter_index()]) != counter:
             return state
         opt_vars = list(state[2])
         for i, value in zip(positions, old):

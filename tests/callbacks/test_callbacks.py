@@ -387,3 +387,32 @@ def test_refresh_monitor_keeps_keras_asynchronous_dispatch():
     plain = keras.callbacks.CallbackList([], model=model)
     ours = keras.callbacks.CallbackList([RefreshMonitor()], model=model)
     assert ours._async_train == plain._async_train
+
+
+def test_preconditioner_refresh_takes_a_two_input_models_list():
+    """``PreconditionerRefresh`` on a functional model with two inputs,
+    given ``[x1, x2]`` as ``fit`` takes it: the U of a refresh from the
+    callback on one batch equals the in-step refresh's on that batch (the
+    callback reorders the batch's rows: float32 rounding). A mismatched
+    length among the arrays is refused."""
+    rng = np.random.default_rng(3)
+    x1, x2 = rng.normal(size=(8, 3)).astype("float32"), rng.normal(size=(8, 2)).astype("float32")
+    y = rng.integers(0, 3, 8)
+    u = {}
+    for source in ("step", "callback"):
+        keras.utils.set_random_seed(0)
+        a, b = keras.Input((3,)), keras.Input((2,))
+        h = keras.layers.Dense(4, activation="tanh")(keras.layers.Concatenate()([a, b]))
+        model = kg.Model([a, b], keras.layers.Dense(3)(h))
+        opt = kg.optimizers.LLQRSAM(keras.optimizers.SGD(0.1), structure="kfac", refresh_every=100, refresh_steps=5,
+                                    refresh_source=source)
+        model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        callbacks = [kg.callbacks.PreconditionerRefresh([x1, x2], y, batch_size=8)] if source == "callback" else []
+        model.fit([x1, x2], y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+        u[source] = [keras.ops.convert_to_numpy(v) for v in opt.preconditioner.variables]
+    initial = lambda a: np.ones_like(a) if a.ndim == 1 else np.eye(len(a))  # noqa: E731  (K-FAC's start)
+    assert max(np.max(np.abs(a - initial(a))) for a in u["step"]) > 1e-4  # the refresh moved U
+    for a, b in zip(u["step"], u["callback"]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="differ in length"):
+        kg.callbacks.PreconditionerRefresh([x1, x2[:5]], y)

@@ -150,3 +150,41 @@ def test_estimate_format_and_noise_flag():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         repr(exact)
+
+
+def test_a_form_under_a_symmetric_per_tensor_metric_takes_one_product_with_it():
+    """``hutchinson(S @ A @ S)`` with S a symmetric operator acting on each
+    tensor alone (orthogonal Kronecker eigenbases on the matrix, a diagonal
+    on the vector: a metric's inverse square root) multiplies by S once per
+    probe, ``(S z)^T A (S z)``, with the same samples and per-tensor shares
+    as ``z^T (S A S z)`` from explicit matrices; a non-symmetric S (K-FAC
+    factors as LLQR learns them) keeps both products."""
+    from keras_geosam.curvature import EKFAC, KFAC, BlockDiagonal
+
+    rng = np.random.default_rng(5)
+    qa, _ = np.linalg.qr(rng.normal(size=(3, 3)))
+    qg, _ = np.linalg.qr(rng.normal(size=(4, 4)))
+    s = rng.random((3, 4)) + 0.5
+    d = rng.random(6) + 0.5
+    S = BlockDiagonal([EKFAC(qa, qg, s, (3, 4), orthogonal=True), Diagonal([d])])
+    S_dense = np.zeros((DIM, DIM))
+    S_dense[:12, :12] = np.kron(qa, qg) @ np.diag(s.ravel()) @ np.kron(qa, qg).T
+    S_dense[12:, 12:] = np.diag(d)
+    A = random_symmetric(6)
+    calls = []
+    matmat = S.matmat
+    S.matmat = lambda v: (calls.append(1), matmat(v))[1]
+    est = hutchinson(S @ dense(A) @ S, num_probes=7, seed=2, paths=["a", "b"])
+    assert len(calls) == 1  # one block of 7 probes, one product with S
+    M = S_dense @ A @ S_dense
+    zs = [ref.flatten(z) for z in ref.hash_probes(2, SHAPES, 7)]
+    np.testing.assert_allclose(est.samples, [z @ M @ z for z in zs], rtol=1e-10, atol=1e-10)
+    share = np.mean([z[:12] @ (M @ z)[:12] for z in zs])
+    assert est.per_layer["a"] == pytest.approx(share, rel=1e-10)
+    K = BlockDiagonal([KFAC(rng.normal(size=(3, 3)), rng.normal(size=(4, 4)), (3, 4)), Diagonal([d])])
+    assert not K.symmetric_per_tensor and S.symmetric_per_tensor
+    calls.clear()
+    K_matmat = K.matmat
+    K.matmat = lambda v: (calls.append(1), K_matmat(v))[1]
+    hutchinson(K @ dense(A) @ K, num_probes=7, seed=2)
+    assert len(calls) == 2

@@ -17,7 +17,7 @@ import pytest
 import keras_geosam as kg
 
 BACKEND = keras.backend.backend()
-pytestmark = pytest.mark.skipif(BACKEND == "torch", reason="torch runs the step eagerly: it compiles nothing")
+eager = pytest.mark.skipif(BACKEND == "torch", reason="torch runs the step eagerly: it compiles nothing")
 
 _COMPILED = [0]  # XLA compilations in this process (JAX)
 
@@ -65,6 +65,7 @@ class _PerStep(keras.callbacks.Callback):
         self.counts.append(_compilations(self.model))
 
 
+@eager
 @pytest.mark.parametrize("structure", ["diagonal", "kfac"])
 def test_the_first_step_compiles_everything_the_next_two_compile_nothing(structure):
     rng = np.random.default_rng(0)
@@ -87,3 +88,49 @@ def test_the_first_step_compiles_everything_the_next_two_compile_nothing(structu
         counts.append(_compilations(model))
     assert int(keras.ops.convert_to_numpy(model.optimizer.refreshes)) == 2
     assert counts[1:] == [counts[0]] * 3, counts
+
+
+def _sam_model(grad_cosine, width=64):
+    keras.utils.set_random_seed(0)
+    model = kg.Sequential([keras.Input((width,)), keras.layers.Dense(width, activation="tanh"), keras.layers.Dense(3)])
+    opt = kg.optimizers.SAM(keras.optimizers.AdamW(1e-2), rho=0.1, grad_cosine=grad_cosine)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_without_grad_cosine_the_step_lets_go_of_the_centre_gradient():
+    """``grad_cosine=False``: the same weights and statistics but the cosine,
+    which leaves the logs; the setting survives ``get_config``; on JAX the
+    compiled step's temporaries are one copy of the weights smaller
+    (XLA's own buffer assignment: g_c no longer lives through the
+    perturbed pass)."""
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(16, 64)).astype("float32"), rng.integers(0, 3, 16)
+    runs = {}
+    for flag in (True, False):
+        model = _sam_model(flag)
+        h = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+        runs[flag] = (model, h)
+    (with_cos, h_cos), (without, h) = runs[True], runs[False]
+    assert "grad_cosine" in h_cos and "grad_cosine" not in h
+    for key in ("loss", "sharpness_gap", "grad_norm"):
+        np.testing.assert_allclose(h[key], h_cos[key], rtol=1e-6, err_msg=key)
+    for a, b in zip(without.get_weights(), with_cos.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    config = without.optimizer.get_config()
+    assert config["grad_cosine"] is False
+    assert kg.optimizers.SAM.from_config(config).keeps_centre_gradients is False
+    assert kg.optimizers.FSAM(keras.optimizers.SGD(0.1), grad_cosine=False).keeps_centre_gradients  # its average
+    with pytest.raises(ValueError, match="grad_cosine"):
+        kg.optimizers.SAM(keras.optimizers.SGD(0.1), grad_cosine="no")
+    if BACKEND == "jax":
+        import jax
+
+        temps = {}
+        for flag, (model, _) in runs.items():
+            state = model._get_jax_state(trainable_variables=True, non_trainable_variables=True,
+                                         optimizer_variables=True, metrics_variables=True)
+            step = jax.jit(model.train_step, donate_argnums=0)
+            temps[flag] = step.lower(state, (x[:8], y[:8])).compile().memory_analysis().temp_size_in_bytes
+        weights = 4 * model.count_params()
+        assert temps[True] - temps[False] >= 0.9 * weights, (temps, weights)

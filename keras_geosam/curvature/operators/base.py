@@ -149,6 +149,17 @@ class LinearOperator:
         together as one batched product; None (the default): alone."""
         return None
 
+    # Whether this operator is symmetric and maps each tensor of a vector
+    # to itself alone (a diagonal, orthogonal Kronecker eigenbases, blocks
+    # of those): then ``z_i . (S A S z)_i = (S z)_i . (A S z)_i`` tensor by
+    # tensor, and a quadratic form needs one product with S, not two.
+    symmetric_per_tensor = False
+
+    def quadratic_pair(self, vectors):
+        """``(u, w)`` with ``z_i . (self z)_i = u_i . w_i`` for every tensor i
+        of each vector z of the block `vectors`: ``(z, self z)`` here."""
+        return vectors, self.matmat(vectors)
+
     # ------------------------------------------------------- checking ----
     def check(self, vectors, batched=True):
         """Raises unless `vectors` is a list matching `shapes` (with a
@@ -242,6 +253,18 @@ class Product(LinearOperator):
         for f in reversed(self.factors):
             vectors = f.matmat(vectors)
         return vectors
+
+    def quadratic_pair(self, vectors):
+        """``S @ A @ S`` with one symmetric, per-tensor S (a metric's
+        ``inverse_sqrt`` around a curvature operator): ``(S z, A S z)``,
+        one product with S instead of two, the same per-tensor values."""
+        first, *middle, last = self.factors
+        if first is not last or not first.symmetric_per_tensor or not middle:
+            return super().quadratic_pair(vectors)
+        u = w = first.matmat(vectors)
+        for f in reversed(middle):
+            w = f.matmat(w)
+        return u, w
 
 
 def _same_space(ops_list):

@@ -101,6 +101,8 @@ class Diagonal(_Spectral, LinearOperator):
     [[1.0, 0.5], [0.0]]
     """
 
+    symmetric_per_tensor = True
+
     def __init__(self, values):
         values = [ops.convert_to_tensor(v) for v in values]
         super().__init__([tuple(ops.shape(v)) for v in values], values[0].dtype)
@@ -377,6 +379,8 @@ class EKFAC(_Spectral, LinearOperator):
         # operator is ``null`` on the rest of the row space.
         self.null = null
         self.orthogonal = bool(orthogonal)
+        # Q s Q^T with orthonormal bases is symmetric (``LinearOperator.symmetric_per_tensor``).
+        self.symmetric_per_tensor = self.orthogonal
 
     @property
     def params(self):
@@ -564,6 +568,7 @@ class BlockDiagonal(LinearOperator):
         shapes = [s for b in blocks for s in b.shapes]
         super().__init__(shapes, blocks[0].dtype)
         self.blocks = blocks
+        self.symmetric_per_tensor = all(len(b.shapes) == 1 and b.symmetric_per_tensor for b in blocks)
         if paths is not None and len(paths) != len(shapes):
             raise ValueError(f"{len(paths)} paths for {len(shapes)} tensors.")
         self.paths = None if paths is None else list(paths)
