@@ -3,6 +3,7 @@
 import itertools
 
 import jax
+import numpy as np
 import keras
 
 from keras_geosam import keras_internals
@@ -207,6 +208,11 @@ class _Host:
     @staticmethod
     def read(array):
         return int(jax.device_get(array.addressable_data(0)))
+
+    @staticmethod
+    def put(value, like):
+        """`value` on `like`'s device with its dtype, explicitly."""
+        return jax.device_put(np.asarray(value, dtype=like.dtype), like.sharding)
 
     @staticmethod
     def wait(arrays):

@@ -17,6 +17,7 @@ import pytest
 
 from reference.dtypes import keras_dtype
 
+import keras_geosam as kg
 from keras_geosam import sharpness as ks
 from keras_geosam.callbacks import SharpnessLogger
 
