@@ -3,7 +3,6 @@
 import itertools
 
 import jax
-import numpy as np
 import keras
 
 from keras_geosam import keras_internals
@@ -201,6 +200,9 @@ def save_from_primary(save):
     multihost_utils.sync_global_devices("keras_geosam.save_from_primary")
 
 
+_increment = jax.jit(lambda a: a + 1)
+
+
 class _Host:
     """The gate's explicit reads from the device (never an implicit
     transfer, which ``jax.transfer_guard`` would refuse on an accelerator)."""
@@ -210,9 +212,11 @@ class _Host:
         return int(jax.device_get(array.addressable_data(0)))
 
     @staticmethod
-    def put(value, like):
-        """`value` on `like`'s device with its dtype, explicitly."""
-        return jax.device_put(np.asarray(value, dtype=like.dtype), like.sharding)
+    def increment(array):
+        """``array + 1`` on the device: a compiled program holds the 1 (an
+        eager constant is a host transfer; a device_put array is committed,
+        and the next step would compile again for it)."""
+        return _increment(array)
 
     @staticmethod
     def wait(arrays):

@@ -341,7 +341,7 @@ class _RefreshGate:
         x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
         start = time.perf_counter()
         new = pre.refresh_program(self.model)(old[:-1], trainable, non_trainable, x, y)
-        new = list(new) + [host.put(host.read(old[-1]) + 1, old[-1])]
+        new = list(new) + [host.increment(old[-1])]
         host.wait(new)  # the refresh's own time
         pre.clock.add(time.perf_counter() - start)
         opt_vars = list(opt_vars)
