@@ -5,6 +5,7 @@
     python bench/scale.py --backends all --shapes gpt2_2,gpt2,vit_b16,resnet50 --work small,large
     python bench/scale.py --exponent                       # overhead ~ P^k over GPT-2 widths
     python bench/scale.py --toy                            # seconds: every code path on a tiny GPT-2
+    python bench/scale.py --estimators --shapes gpt2       # tr H and S_R (K-FAC) per probe, in gradients
 
 Shapes, built from their libraries' configurations with random weights (no
 download): ``gpt2`` (keras-hub ``GPT2CausalLM``, 12 blocks of width 768, 12
@@ -62,6 +63,17 @@ small work size and above: diagonal step <= 1.1x SAM; K-FAC and EK-FAC
 <= max(1.3x SAM, 1.1x their floor); compile <= 60 s; a refresh <= 1.5x
 its floor, compiled once; overhead exponent <= 1.1.
 
+``--estimators`` measures the sharpness estimators at each shape instead
+(issue goal: within 3 gradients per probe and 2x a training step's peak):
+``hessian_trace`` and ``riemannian_sharpness(structure="kfac")`` on 8
+sequences of 128 tokens (8 images), unsplit Hutchinson with 4 probes
+(``rtol=None``), timed on a second call (the first compiles): the cost
+per probe, everything in the call included, in gradients (a compiled
+loss-and-gradient of the same batch, timed warm); the peak is the
+resident set's high-water mark during the timed call over an ``AdamW``
+training step's on the same batch (both less the resident set before the
+model was built).
+
 ``--exponent`` runs the base and LLQR+SAM (diagonal) on ``gpt2_w256``,
 ``gpt2_w512``, ``gpt2_w768`` and ``gpt2_w1024`` at 512 tokens and fits the
 amortised overhead (LLQR+SAM step + refresh / 1000 - base step) as P^k.
@@ -100,7 +112,9 @@ PAPER_EXPONENT = 1.27
 
 def shape_config(name):
     if name == "toy":
-        return dict(kind="lm", blocks=1, width=16, heads=2, mlp=32, vocab=64, seq=8)
+        # A vocabulary over the estimators' max_exact_classes (64): the
+        # Fisher's labels are sampled, as at 50257.
+        return dict(kind="lm", blocks=1, width=16, heads=2, mlp=32, vocab=96, seq=8)
     if name == "gpt2":
         return dict(kind="lm", blocks=12, width=768, heads=12, mlp=3072, vocab=50257, seq=SEQ)
     if name == "gpt2_2":
@@ -332,6 +346,86 @@ def _xla_step_bytes(model, batch):
     return {"arguments": analysis.argument_size_in_bytes, "temporaries": analysis.temp_size_in_bytes}
 
 
+ESTIMATOR_EXAMPLES = 8  # sequences of 128 tokens, or images
+ESTIMATOR_PROBES = 4
+
+
+def run_estimators(args, shape, probes=ESTIMATOR_PROBES):
+    """``hessian_trace`` and K-FAC ``riemannian_sharpness`` on one batch of
+    `shape`: seconds and gradients per probe (all the call's work), peak
+    over a training step's (module doc)."""
+    import warnings
+
+    import keras
+
+    from keras_geosam import sharpness
+    from keras_geosam.curvature import model_functions
+
+    b = keras.backend.backend()
+    memory = Memory(b)
+    rss_before = memory.rss()
+    keras.utils.set_random_seed(0)
+    model, data, positions = build(keras, shape)
+    model.compile(optimizer=keras.optimizers.AdamW(1e-4),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = data(ESTIMATOR_EXAMPLES, 0)
+    out = dict(backend=b, device=memory.device or "cpu", shape=shape, work="estimators", method="estimators",
+               examples=ESTIMATOR_EXAMPLES, units=ESTIMATOR_EXAMPLES * positions)
+    model.train_on_batch(x, y)
+    memory.reset()
+    model.train_on_batch(x, y)
+    out["params"] = int(model.count_params())
+    out["step_peak_bytes"] = memory.peak() - (rss_before if memory.device is None else 0)
+    fns = model_functions(model)
+    grad = fns.kernel(fns.loss_and_grad_body)
+    xs = keras.tree.map_structure(keras.ops.convert_to_tensor, x)
+    ys = keras.ops.convert_to_tensor(y)
+    times = []
+    for _ in range(4):  # the first compiles
+        t0 = time.perf_counter()
+        keras.ops.convert_to_numpy(grad(fns.params(), fns.non_trainable(), xs, ys)[0])
+        times.append(time.perf_counter() - t0)
+    out["gradient_s"] = min(times[1:])
+    calls = {"hessian_trace": lambda n: sharpness.hessian_trace(
+                 model, x, y, num_probes=n, rtol=None, split=False, batch_size=ESTIMATOR_EXAMPLES),
+             "riemannian_sharpness_kfac": lambda n: sharpness.riemannian_sharpness(
+                 model, x, y, structure="kfac", num_probes=n, rtol=None, split=False,
+                 batch_size=ESTIMATOR_EXAMPLES)}
+    for name, call in calls.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # far from a minimum: the residual warnings are expected
+            t0 = time.perf_counter()
+            call(probes)  # compiles
+            first = time.perf_counter() - t0
+            memory.reset()
+            t0 = time.perf_counter()
+            estimate = call(probes)
+            seconds = time.perf_counter() - t0
+        per_probe = seconds / probes
+        peak = memory.peak() - (rss_before if memory.device is None else 0)
+        out[name] = dict(probes=probes, per_probe_s=per_probe, per_probe_gradients=per_probe / out["gradient_s"],
+                         compile_s=first - seconds, peak_bytes=peak, peak_over_step=peak / out["step_peak_bytes"],
+                         value=float(estimate.value), stderr=float(estimate.stderr))
+        log(f"[{b}] {shape} {name}: {per_probe:.2f} s per probe = {per_probe / out['gradient_s']:.2f} gradients "
+            f"({out['gradient_s']:.2f} s), first call +{first - seconds:.1f} s, peak {peak / 1e9:.2f} GB = "
+            f"{out[name]['peak_over_step']:.2f} x the step's")
+    return out
+
+
+def estimator_table(rows):
+    lines = ["| backend | shape | estimator | per probe s | gradients per probe | first call + s | peak GB | peak / step's |",
+             "|" + "---|" * 8]
+    for r in rows:
+        if r.get("method") != "estimators" or "error" in r:
+            continue
+        for name in ("hessian_trace", "riemannian_sharpness_kfac"):
+            e = r[name]
+            lines.append(f"| {r['backend']} | {r['shape']} | {name} | {e['per_probe_s']:.2f} | "
+                         f"{e['per_probe_gradients']:.2f} | {e['compile_s']:.1f} | {e['peak_bytes'] / 1e9:.2f} | "
+                         f"{e['peak_over_step']:.2f} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 # ---------------------------------------------------------------- driver ---
 def child(args, b, shape, work, method):
     """One run in a process of its own; its result (or error) as a dict."""
@@ -354,6 +448,8 @@ def child(args, b, shape, work, method):
 
 
 def runs(args):
+    if args.estimators:
+        return [(s, "estimators", "estimators") for s in (["toy"] if args.toy else args.shapes)]
     if args.toy:
         return [("toy", w, m) for w in ("small",) for m in args.methods]
     if args.exponent:
@@ -506,6 +602,10 @@ def machine_line():
 
 
 def report(rows):
+    estimators = estimator_table(rows)
+    rows = [r for r in rows if r.get("method") != "estimators"]
+    if estimators and not rows:
+        return f"Machine: {machine_line()}\n\n{estimators}"
     cells = derive(rows)
     text = [f"Machine: {machine_line()}", "", table(rows), "", "Goals:", goals(cells)]
     memory = memory_table(rows)
@@ -528,6 +628,7 @@ def main(argv=None):
     p.add_argument("--refresh-steps", type=int, default=REFRESH_STEPS)
     p.add_argument("--skip-refresh", action="store_true", help="time the steps only (large work sizes on a CPU)")
     p.add_argument("--exponent", action="store_true", help="base and LLQR+SAM diag over GPT-2 widths")
+    p.add_argument("--estimators", action="store_true", help="tr H and K-FAC S_R per probe at each shape")
     p.add_argument("--toy", action="store_true", help="a tiny GPT-2, every method in this process (seconds)")
     p.add_argument("--in-process", action="store_true", help="every run in this process (smoke runs)")
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds per process")
@@ -540,7 +641,8 @@ def main(argv=None):
         args.in_process, args.steps, args.refresh_steps = True, 4, 2
         args.backends = [os.environ.get("KERAS_BACKEND", "jax")]
     if args.one:
-        row = run_one(args, *args.one.split(":"))
+        shape, work, method = args.one.split(":")
+        row = run_estimators(args, shape) if method == "estimators" else run_one(args, shape, work, method)
         with open(args.json, "w") as f:
             json.dump(row, f)
         return 0

@@ -51,6 +51,12 @@ def add_scaled(y, x, alpha):
     return y + alpha * x
 
 
+def multiply_into(xs, ys):
+    """``[x * y]`` over two lists of like-shaped tensors (traced backends
+    reuse dead buffers themselves)."""
+    return [x * y for x, y in zip(xs, ys)]
+
+
 def vdot(a, b, dtype=None):
     """``sum_i <a_i, b_i>`` over two lists of like-shaped tensors, computed
     in `dtype` (default: the tensors' own)."""

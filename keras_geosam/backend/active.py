@@ -62,6 +62,8 @@ a list of backend tensors:
 - ``add_scaled(y, x, alpha)``: ``y + alpha * x`` for a Python number or a
   scalar tensor, one pass over memory on eager torch; an IndexedSlices
   operand is scattered into the dense one
+- ``multiply_into(xs, ys)``: ``[x * y]``, written into the xs on eager
+  torch (the caller reads them no more; shared or strided xs excepted)
 - ``compile_seconds()``: seconds this process has spent tracing and
   compiling steps (JAX's monitoring events; TensorFlow's traces of
   ``traced`` functions; 0 on eager torch), left out of timed steps
@@ -115,6 +117,7 @@ all_reduce_sum = _impl.all_reduce_sum
 cond_apply = _impl.cond_apply
 vdot = _impl.vdot
 add_scaled = _impl.add_scaled
+multiply_into = _impl.multiply_into
 sandwich = _impl.sandwich
 densify = _impl.densify
 compile_seconds = _impl.compile_seconds
@@ -153,6 +156,7 @@ __all__ = [
     "cond_apply",
     "vdot",
     "add_scaled",
+    "multiply_into",
     "sandwich",
     "densify",
     "compile_seconds",

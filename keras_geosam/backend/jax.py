@@ -290,6 +290,7 @@ from keras_geosam.backend._single_device import replica_count  # noqa: E402,F401
 # The step is compiled, so the keras.ops forms cost no per-op dispatch.
 from keras_geosam.backend._generic import one_example  # noqa: E402
 from keras_geosam.backend._generic import add_scaled  # noqa: E402,F401
+from keras_geosam.backend._generic import multiply_into  # noqa: E402,F401
 from keras_geosam.backend._generic import densify  # noqa: E402,F401
 from keras_geosam.backend._generic import step_timer  # noqa: E402,F401
 from keras_geosam.backend._generic import traced  # noqa: E402,F401

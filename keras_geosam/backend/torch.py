@@ -6,6 +6,8 @@ have no effect); here we only differentiate ``f`` with respect to the tensors
 it is given.
 """
 
+import collections
+
 import keras
 import torch
 import torch.func
@@ -265,6 +267,22 @@ def add_scaled(y, x, alpha):
     if isinstance(alpha, torch.Tensor):
         return torch.addcmul(y, x, alpha)
     return torch.add(y, x, alpha=alpha)
+
+
+def multiply_into(xs, ys):
+    """``[x * y]``, each product written into its `x` (the caller reads the
+    xs no more): an eager step's descent product U g_p then holds no second
+    copy of the gradients at the update. An x that shares memory with
+    another, is a view or is not dense gets a new tensor instead."""
+    xs = list(xs)
+    storages = collections.Counter(x.untyped_storage().data_ptr() for x in xs)
+
+    def own(x, y):  # x alone in its whole storage, dense, and y fits into it
+        whole = x.storage_offset() == 0 and x.untyped_storage().nbytes() == x.numel() * x.element_size()
+        alone = storages[x.untyped_storage().data_ptr()] == 1
+        return whole and alone and x.is_contiguous() and not x.requires_grad and x.dtype == y.dtype
+
+    return [x.mul_(y) if own(x, y) else x * y for x, y in zip(xs, ys)]
 
 
 # ATen runs an elementwise op or a reduction on the calling thread below this

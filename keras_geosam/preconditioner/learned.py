@@ -268,8 +268,10 @@ class LearnedPreconditioner:
         return [cast_to(u, v.dtype) for u, v in zip(self.operator().matvec(vectors), vectors)]
 
     def descent(self, grads, values):
-        """``U g + coupled_weight_decay * theta``."""
-        d = self.precondition(grads)
+        """``U g + coupled_weight_decay * theta``. Consumes `grads`: a
+        diagonal U writes U g into them on eager torch (one copy of the
+        weights less at the update)."""
+        d = [cast_to(u, g.dtype) for u, g in zip(self.operator().matvec_into(list(grads)), grads)]
         if self.coupled_weight_decay:
             wd = self.coupled_weight_decay
             decays = [self.decay_mask == "all" or len(shape) >= 2 for _, shape, _ in self.layout]

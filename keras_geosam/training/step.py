@@ -270,7 +270,12 @@ def stateful_train_step(model, data):
             keras_internals.handle_non_finite_grads(lso)
 
     state = model.trainable_variables + model.non_trainable_variables + model.optimizer.variables
-    args = (result.grads_centre, result.grads_perturbed, result.non_trainable)
+    # An update that reads g_p alone gets it alone: eager torch then frees
+    # g_c (kept for the cosine) before the update's temporaries exist, and
+    # the descent may write into g_p (``LinearOperator.matvec_into``).
+    g_c = result.grads_centre if opt.reads_centre_gradients or result.grads_centre is result.grads_perturbed else None
+    args = (g_c, result.grads_perturbed, result.non_trainable)
+    g_c, result = None, result._replace(grads_centre=None, grads_perturbed=None)
     backend.cond_apply(result.finite, apply, skip, args, state=state)
     # Metrics are variables here: keep what the loss computation wrote (the
     # per-output loss trackers of a multi-output model), then update in place.

@@ -69,10 +69,10 @@ def test_the_bench_runs_every_method_on_a_tiny_gpt2(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"sam", "llqr_kfac", "llqr_ekfac"}
-    # the toy: 1 block of width 16 (MLP 32), 2 heads; vocabulary 64, tied
+    # the toy: 1 block of width 16 (MLP 32), 2 heads; vocabulary 96, tied
     qkvo = 2 * (16**2 * 16 + 16 * 16**2)
     mlp = 2 * 2 * (16**2 * 32 + 16 * 32**2)
-    embedding = 2 * 64 * 16**2
+    embedding = 2 * 96 * 16**2
     assert rows["llqr_kfac"]["u_flops"] == 4 * qkvo + mlp + embedding
     assert rows["llqr_ekfac"]["u_flops"] == 2 * rows["llqr_kfac"]["u_flops"]
     for name in ("llqr_kfac", "llqr_ekfac"):
@@ -80,3 +80,19 @@ def test_the_bench_runs_every_method_on_a_tiny_gpt2(tmp_path):
         assert r["over_sam"] > 0 and r["floor_s"] > rows["sam"]["step_s"] and r["refresh_over_floor"] > 0
         assert r["refresh_compiles_s"] == 0 and r["compile_after_first_step_s"] == 0
     assert "Goals:" in proc.stdout and proc.stdout.count(f"| {keras.backend.backend()} | toy | small |") == 3
+
+
+def test_the_estimator_bench_reads_a_probe_in_gradients_on_a_tiny_gpt2():
+    """``--estimators`` on the toy, in this process: a probe's cost in
+    gradients and the peak over a training step's are read, and both
+    estimates are finite numbers with their stderr."""
+    pytest.importorskip("keras_hub")
+    import scale
+
+    row = scale.run_estimators(None, "toy", probes=2)
+    assert row["gradient_s"] > 0 and row["step_peak_bytes"] != 0
+    for name in ("hessian_trace", "riemannian_sharpness_kfac"):
+        e = row[name]
+        assert e["per_probe_gradients"] == pytest.approx(e["per_probe_s"] / row["gradient_s"])
+        assert np.isfinite(e["value"]) and e["stderr"] > 0 and np.isfinite(e["peak_over_step"])
+    assert "| toy | hessian_trace |" in scale.estimator_table([row])

@@ -1107,3 +1107,36 @@ def test_block_diagonal_matvec_of_diagonal_and_kfac_blocks():
         assert rel(ops.convert_to_numpy(got), ops.convert_to_numpy(w)[0]) < tol
     with pytest.raises(ValueError, match="shape"):
         op.matvec(tensors([v[0][None], v[1], v[2]]))
+
+
+def test_matvec_into_equals_matvec_and_writes_only_where_safe():
+    """``matvec_into`` (a descent product whose input is read no more) gives
+    ``matvec``'s numbers on every operator. A diagonal writes into its
+    input on eager torch, but never into a tensor listed twice or a
+    strided view, whose other readers would see the product."""
+    rng = np.random.default_rng(12)
+    d1, d2 = rng.uniform(0.5, 2.0, size=(4, 3)), rng.uniform(0.5, 2.0, size=(4, 3))
+    v = rng.normal(size=(4, 3))
+    D = cv.Diagonal(tensors([d1, d2]))
+    shared = ops.convert_to_tensor(v, dtype="float64")  # one tensor as both entries
+    out = D.matvec_into([shared, shared])
+    for got, w in zip(out, (d1 * v, d2 * v)):
+        assert rel(ops.convert_to_numpy(got), w) < EXACT
+    mixed = cv.BlockDiagonal([cv.Diagonal(tensors([d1])), cv.KFAC(*tensors([np.eye(4) * 2, np.eye(3)]), (4, 3), 1)])
+    out = mixed.matvec_into(tensors([v, v]))
+    for got, w in zip(out, (d1 * v, 2 * v)):
+        assert rel(ops.convert_to_numpy(got), w) < EXACT
+    blocks = cv.BlockDiagonal([cv.Diagonal(tensors([d1])), cv.Diagonal(tensors([d2]))])
+    fresh = tensors([v, 2 * v])
+    out = blocks.matvec_into(fresh)
+    for got, w in zip(out, (d1 * v, 2 * d2 * v)):
+        assert rel(ops.convert_to_numpy(got), w) < EXACT
+    if keras.backend.backend() == "torch":
+        import torch
+
+        assert [o.data_ptr() for o in out] == [f.data_ptr() for f in fresh]  # written in place
+        assert rel(fresh[0].numpy(), d1 * v) < EXACT
+        base = torch.tensor(np.concatenate([v, v]))
+        view = base[:4]  # a view: its base keeps the old numbers
+        out = cv.Diagonal(tensors([d1])).matvec_into([view])
+        assert out[0].data_ptr() != view.data_ptr() and rel(base[:4].numpy(), v) < EXACT

@@ -134,3 +134,36 @@ def test_without_grad_cosine_the_step_lets_go_of_the_centre_gradient():
             temps[flag] = step.lower(state, (x[:8], y[:8])).compile().memory_analysis().temp_size_in_bytes
         weights = 4 * model.count_params()
         assert temps[True] - temps[False] >= 0.9 * weights, (temps, weights)
+
+
+@pytest.mark.parametrize("name", ["sam", "llqr", "fsam"])
+def test_the_update_gets_the_centre_gradient_only_if_it_reads_it(name, monkeypatch):
+    """On TensorFlow and torch the update (``apply_two_pass``) gets g_c only
+    when it reads it (FSAM's average; LLQR's single pass, where it is g_p):
+    SAM's update gets g_p alone, so eager torch frees g_c, kept for the
+    cosine, before the update's temporaries exist. JAX's step is one
+    program whose buffers XLA frees itself (its accounting is checked in
+    the test above)."""
+    if BACKEND == "jax":
+        pytest.skip("JAX's update is inside one compiled program: XLA frees g_c itself")
+    base = keras.optimizers.AdamW(1e-2)
+    opt = {"sam": lambda: kg.optimizers.SAM(base, rho=0.1),
+           "llqr": lambda: kg.optimizers.LLQR(base, refresh_every=2),
+           "fsam": lambda: kg.optimizers.FSAM(base, rho=0.1)}[name]()
+    keras.utils.set_random_seed(0)
+    model = kg.Sequential([keras.Input((8,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)])
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), run_eagerly=True)
+    seen = []
+    apply = type(opt).apply_two_pass
+
+    def spy(self, centre, perturbed, variables):
+        seen.append((centre is None, centre is perturbed))
+        return apply(self, centre, perturbed, variables)
+
+    monkeypatch.setattr(type(opt), "apply_two_pass", spy)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 8)).astype("float32"), rng.integers(0, 3, 8)
+    h = model.fit(x, y, batch_size=4, epochs=1, verbose=0).history
+    assert len(seen) == 2 and np.isfinite(h["loss"][0])
+    want = {"sam": (True, False), "llqr": (False, True), "fsam": (False, False)}[name]
+    assert seen == [want] * 2, seen

@@ -84,6 +84,12 @@ class LinearOperator:
     def matvec(self, vector):
         return [v[0] for v in self.matmat([ops.expand_dims(x, 0) for x in vector])]
 
+    def matvec_into(self, vector):
+        """``matvec(vector)``, free to write the result into `vector`'s
+        tensors: the caller reads them no more (an eager step's descent
+        product; only a diagonal does so, on torch)."""
+        return self.matvec(vector)
+
     def __matmul__(self, other):
         if isinstance(other, LinearOperator):
             return Product([self, other])

@@ -130,6 +130,10 @@ class Diagonal(_Spectral, LinearOperator):
         vector = self.check(vector, batched=False)
         return [cast_to(d, v.dtype) * v for d, v in zip(self.values, vector)]
 
+    def matvec_into(self, vector):
+        vector = self.check(vector, batched=False)
+        return backend.multiply_into(vector, [cast_to(d, v.dtype) for d, v in zip(self.values, vector)])
+
     def diagonal(self):
         return list(self.values)
 
@@ -642,6 +646,12 @@ class BlockDiagonal(LinearOperator):
             for i, y in zip(members, ys):
                 out[i] = [y]
         return [y for ys in out for y in ys]
+
+    def matvec_into(self, vector):
+        if not all(isinstance(b, Diagonal) for b in self.blocks):
+            return self.matvec(vector)
+        parts = self.split_list(self.check(vector, batched=False))
+        return [y for b, v in zip(self.blocks, parts) for y in b.matvec_into(v)]
 
     def diagonal(self):
         return [d for b in self.blocks for d in b.diagonal()]
