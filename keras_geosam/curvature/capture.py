@@ -276,8 +276,10 @@ class Capture:
 
     def _factor_grads(self, params, nt, x, y, key, offset, kind, num_samples, idx, sw=None):
         """Per-example gradients ``J_n^T c_jn`` of the variables `idx`, by the
-        backend's vectorised map: a list over j of lists like `idx` of
-        ``(N,) + shape`` tensors."""
+        backend's vectorised map: ``(k, grads_of)``, ``grads_of(j)`` a list
+        like `idx` of ``(N,) + shape`` tensors for each of the k output
+        factors (made one j at a time: an eager backend then holds one j's
+        ``N x table`` gradients, not all k of them)."""
         fns = self.fns
         cot = fns.output_factors(kind, fns.logits(params, nt, x), y, key, offset, num_samples, sw)
 
@@ -287,13 +289,14 @@ class Capture:
                 full[i] = p
             return ops.sum(ops.cast(ci, params[0].dtype) * fns.logits(full, nt, xi))
 
-        return [backend.per_example_grads(f, [params[i] for i in idx], x, cot[j]) for j in range(int(cot.shape[0]))]
+        return int(cot.shape[0]), lambda j: backend.per_example_grads(f, [params[i] for i in idx], x, cot[j])
 
     def body_uncovered(self, params, nt, x, y, key, offset, sw, *, kind, num_samples):
         # Variables of layers without a rule.
         out = {}
-        for grads in self._factor_grads(params, nt, x, y, key, offset, kind, num_samples, self.uncovered, sw):
-            for i, g in zip(self.uncovered, grads):
+        k, grads_of = self._factor_grads(params, nt, x, y, key, offset, kind, num_samples, self.uncovered, sw)
+        for j in range(k):
+            for i, g in zip(self.uncovered, grads_of(j)):
                 _add(out, i, ops.sum(ops.square(g), axis=0))
         return out
 
@@ -305,7 +308,8 @@ class Capture:
 
     def body_factor_gradients(self, params, nt, x, y, key, offset, sw, *, kind, num_samples):
         everything = list(range(len(params)))
-        rows = self._factor_grads(params, nt, x, y, key, offset, kind, num_samples, everything, sw)
+        k, grads_of = self._factor_grads(params, nt, x, y, key, offset, kind, num_samples, everything, sw)
+        rows = [grads_of(j) for j in range(k)]
         return [ops.stack(parts) for parts in zip(*rows)]
 
     def body_per_example(self, params, nt, x, y, sw, *, shapes):
