@@ -585,7 +585,7 @@ def exponent(rows):
             if r["backend"] == b and "error" not in r:
                 by_shape.setdefault(r["shape"], {})[r["method"]] = r
         points = [(c["base"]["params"], c["llqr_diag"]["step_s"] + c["llqr_diag"]["refresh_s"] / 1000 - c["base"]["step_s"])
-                  for c in by_shape.values() if "base" in c and "llqr_diag" in c]
+                  for c in by_shape.values() if "base" in c and "refresh_s" in c.get("llqr_diag", {})]
         if len(points) < 2:
             continue
         fit = fit_power_law(*zip(*points))
@@ -651,10 +651,10 @@ def main(argv=None):
     if args.in_process:
         os.environ["KERAS_BACKEND"] = args.backends[0]
     rows = collect(args)
-    print(report(rows))
-    if args.json:
+    if args.json:  # before the report: a report that fails loses no measurement
         with open(args.json, "w") as f:
             json.dump({"machine": machine_line(), "rows": rows}, f, indent=1)
+    print(report(rows))
     return 1 if any("error" in r for r in rows) else 0
 
 
