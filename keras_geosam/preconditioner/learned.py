@@ -263,15 +263,19 @@ class LearnedPreconditioner:
             raise RuntimeError("U has no layout yet: build the optimizer (compile and build the model) first.")
         self.operator().summary(print_fn)
 
-    def precondition(self, vectors):
-        """U v for a list like the trainable variables (in v's dtypes)."""
-        return [cast_to(u, v.dtype) for u, v in zip(self.operator().matvec(vectors), vectors)]
+    def precondition(self, vectors, consume=False):
+        """U v for a list like the trainable variables (in v's dtypes). With
+        `consume` the caller reads `vectors` no more, and U v may be written
+        into them (``LinearOperator.matvec_into``)."""
+        op = self.operator()
+        out = op.matvec_into(list(vectors)) if consume else op.matvec(vectors)
+        return [cast_to(u, v.dtype) for u, v in zip(out, vectors)]
 
     def descent(self, grads, values):
         """``U g + coupled_weight_decay * theta``. Consumes `grads`: a
         diagonal U writes U g into them on eager torch (one copy of the
         weights less at the update)."""
-        d = [cast_to(u, g.dtype) for u, g in zip(self.operator().matvec_into(list(grads)), grads)]
+        d = self.precondition(grads, consume=True)
         if self.coupled_weight_decay:
             wd = self.coupled_weight_decay
             decays = [self.decay_mask == "all" or len(shape) >= 2 for _, shape, _ in self.layout]
