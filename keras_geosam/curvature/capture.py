@@ -81,7 +81,7 @@ class Capture:
                     if activation is not None:
                         object.__setattr__(_layer, "activation", activation)
                 calls = state["records"][_i]
-                calls.append(_rule.record(inputs))
+                calls.append(_rule.record_call(inputs, args, kwargs))
                 state["shapes"][_i].append(tuple(z.shape))
                 probes = state["probes"]
                 if probes is not None:
@@ -233,14 +233,9 @@ class Capture:
             deltas = pull(cot)
             for i, rule in enumerate(self.rules):
                 if other_diag:
-                    # A layer called several times: its per-example gradient
-                    # is the sum over the calls, squared after summing.
-                    per_example = {}
-                    for c, rec in enumerate(records[i]):
-                        for vid, g in rule.small_grads(rec, deltas[slot[(i, c)]]).items():
-                            _add(per_example, vid, g)
-                    for vid, g in per_example.items():
-                        _add(out["diag"], self.position[vid], ops.sum(ops.square(g), axis=(0, 1)))
+                    calls = [deltas[slot[(i, c)]] for c in range(len(records[i]))]
+                    for vid, s in rule.squared_small_grads(records[i], calls).items():
+                        _add(out["diag"], self.position[vid], s)
                 if rows[i] is None:
                     continue
                 d = self._deltas(rule, i, records, deltas, slot)

@@ -36,8 +36,10 @@ positions first: ``A = mean_n abar abar^T`` with ``abar`` the mean input
 row over t, ``B = 1/N sum_n (sum_t delta)(sum_t delta)^T`` (exact for deep
 linear networks that pool the positions before the loss).
 
-The trainable variables of any other layer are "uncovered": their
-per-example gradients come from the backend's vectorised map instead.
+Tables other than ``Embedding`` (Keras' ``ReversibleEmbedding``, keras-hub's
+``PositionEmbedding``) have rules in ``tables.py``. The trainable variables
+of any other layer are "uncovered": their per-example gradients come from
+the backend's vectorised map instead.
 """
 
 import inspect
@@ -88,6 +90,11 @@ class Rule:
         """What the rule keeps from the layer's input (inside the call)."""
         return inputs
 
+    def record_call(self, inputs, args, kwargs):
+        """What the rule keeps from one call, given all its arguments (a
+        layer whose call arguments change what it computes reads them)."""
+        return self.record(inputs)
+
     def rows(self, rec):
         """Input rows ``(N, T, m)``."""
         raise NotImplementedError
@@ -105,6 +112,16 @@ class Rule:
         d = self.delta_rows(delta)
         return {id(bias): ops.reshape(ops.sum(d, axis=2), ops.shape(d)[:2] + tuple(bias.shape))}
 
+    def squared_small_grads(self, recs, deltas):
+        """``{variable: sum_jn g_jn^2}`` for the variables :meth:`small_grads`
+        covers, from all the layer's calls (`recs`, `deltas`: lists over
+        calls): each example's gradient is summed over the calls, then
+        squared."""
+        per_example = {}
+        for rec, delta in zip(recs, deltas):
+            for vid, g in self.small_grads(rec, delta).items():
+                per_example[vid] = g if vid not in per_example else per_example[vid] + g
+        return {vid: ops.sum(ops.square(g), axis=(0, 1)) for vid, g in per_example.items()}
 
     # ------------------------------------------- reductions over rows ----
     # Input rows are ``(N, T, m)`` tensors here; ``EmbeddingRule`` keeps ids.
@@ -493,7 +510,9 @@ def rule_for(layer, training=False):
         return LayerNormRule(layer)
     if isinstance(layer, keras.layers.BatchNormalization) and not training and not getattr(layer, "renorm", False):
         return BatchNormRule(layer)
-    return None
+    from keras_geosam.curvature.tables import table_rule_for  # its rules build on the ones here
+
+    return table_rule_for(layer)
 
 
 def kernel_views(model, for_preconditioner=False):
@@ -512,13 +531,13 @@ def kernel_views(model, for_preconditioner=False):
         if rule.kernel is not None:
             views[id(rule.kernel)] = (rule.split, rule.diagonal_input)
     if for_preconditioner:
-        # A learned U needs only the layout of a lookup table, not exact
-        # per-example rows: Embedding subclasses whose call the metric does
-        # not cover (keras-hub's ReversibleEmbedding, which ties the table
-        # to the output projection) still get a diagonal-input block.
+        # A learned U needs only the layout of a lookup table: Embedding
+        # subclasses whose metric block is diagonal (keras-hub's
+        # ReversibleEmbedding, which ties the table to the output
+        # projection, tables.py) still get a diagonal-input block.
         for layer in leaf_layers(model):
             table = getattr(layer, "embeddings", None) if isinstance(layer, keras.layers.Embedding) else None
-            if table is not None and table.trainable and id(table) not in views:
+            if table is not None and table.trainable and views.get(id(table)) is None:
                 views[id(table)] = (1, True)
     return views
 

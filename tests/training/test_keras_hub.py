@@ -28,8 +28,8 @@ def _bert(rng):
 
 
 def _gpt2(rng):
-    # A small vocabulary: the exact Fisher of the tied embedding costs one
-    # per-example map per position and class.
+    # A small vocabulary: the exact Fisher has one backward column per
+    # position and class.
     backbone = keras_hub.models.GPT2Backbone(
         vocabulary_size=12, num_layers=1, num_heads=2, hidden_dim=8, intermediate_dim=16, dropout=0.0, max_sequence_length=6,
     )
@@ -127,8 +127,8 @@ def test_every_curvature_function_and_estimator_runs_on_keras_hub_models(name):
     y = y[:8]
     sw = None
     if name == "gpt2":
-        # 3 of the 6 positions: the exact Fisher's uncovered variables (the
-        # tied embedding) take one per-example map per position and class.
+        # 3 of the 6 positions: the exact Fisher takes one backward column
+        # per position and class.
         x = {k: v[:, :3].copy() for k, v in x.items()}
         y = y[:, :3]
         x["padding_mask"][3, 2:] = 0

@@ -341,7 +341,8 @@ class GGN(ModelOperator):
         :class:`KFAC` block for every covered kernel (Dense, Conv,
         EinsumDense; a :class:`DiagonalInputKFAC` for an Embedding) and a
         :class:`Diagonal` block (the exact diagonal) for every other
-        variable.
+        variable (a ``ReversibleEmbedding``'s table, used as a lookup and
+        as the output projection, among them: ``curvature/tables.py``).
 
         Args:
             approximation: for layers applied at every position of a
