@@ -94,5 +94,7 @@ def test_the_estimator_bench_reads_a_probe_in_gradients_on_a_tiny_gpt2():
     for name in ("hessian_trace", "riemannian_sharpness_kfac"):
         e = row[name]
         assert e["per_probe_gradients"] == pytest.approx(e["per_probe_s"] / row["gradient_s"])
+        assert e["marginal_gradients"] <= e["per_probe_gradients"]
         assert np.isfinite(e["value"]) and e["stderr"] > 0 and np.isfinite(e["peak_over_step"])
+    assert row["hessian_trace"]["setup_gradients"] == 0 and row["riemannian_sharpness_kfac"]["setup_gradients"] > 0
     assert "| toy | hessian_trace |" in scale.estimator_table([row])
