@@ -69,7 +69,9 @@ its floor, compiled once; overhead exponent <= 1.1.
 sequences of 128 tokens (8 images), unsplit Hutchinson with 4 probes
 (``rtol=None``), timed on a second call (the first compiles): the cost
 per probe, everything in the call included, in gradients (a compiled
-loss-and-gradient of the same batch, timed warm); the peak is the
+loss-and-gradient of the same batch, timed warm), and apart from it S_R's
+metric (built once per call, timed warm on its own) and each further
+probe (the rest of the call over the probes); the peak is the
 resident set's high-water mark during the timed call over an ``AdamW``
 training step's on the same batch (both less the resident set before the
 model was built).
