@@ -9,6 +9,7 @@
 - ``curvature/functional.py``: a model as pure functions of its weights.
 """
 
+from keras_geosam.curvature import tables  # noqa: F401 (adds the tables' rules to layers.rule_for)
 from keras_geosam.curvature.functional import ModelFunctions, model_functions
 from keras_geosam.curvature.losses import LossSpec, resolve_loss
 from keras_geosam.curvature.operators import (

@@ -510,9 +510,17 @@ def rule_for(layer, training=False):
         return LayerNormRule(layer)
     if isinstance(layer, keras.layers.BatchNormalization) and not training and not getattr(layer, "renorm", False):
         return BatchNormRule(layer)
-    from keras_geosam.curvature.tables import table_rule_for  # its rules build on the ones here
+    for more in MORE_RULES:
+        rule = more(layer)
+        if rule is not None:
+            return rule
+    return None
 
-    return table_rule_for(layer)
+
+# Lookups for rules written in other modules, asked after the ones above:
+# ``tables.py`` (its rules build on these) adds its own when imported, as
+# ``keras_geosam.curvature`` does.
+MORE_RULES = []
 
 
 def kernel_views(model, for_preconditioner=False):

@@ -31,6 +31,7 @@ import keras
 from keras import ops
 
 from keras_geosam.curvature.layers import MAX_ELEMENTS
+from keras_geosam.curvature.layers import MORE_RULES
 from keras_geosam.curvature.layers import EmbeddingRule
 from keras_geosam.curvature.layers import Rule
 
@@ -201,3 +202,6 @@ def _joined(calls):
     rows, deltas = zip(*calls)
     return (ops.concatenate(rows, axis=1) if len(rows) > 1 else rows[0],
             ops.concatenate(deltas, axis=2) if len(deltas) > 1 else deltas[0])
+
+
+MORE_RULES.append(table_rule_for)
