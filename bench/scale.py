@@ -391,8 +391,7 @@ def run_estimators(args, shape, probes=ESTIMATOR_PROBES):
     # S_R's fixed cost: the K-FAC metric, built once per call whatever the
     # number of probes (its share of a probe falls as 1 / probes); timed
     # warm, after the calls (whose first call then compiles it).
-    setup = {"hessian_trace": lambda: None,
-             "riemannian_sharpness_kfac": lambda: sharpness.fisher_metric(model, x, y, "kfac",
+    setup = {"riemannian_sharpness_kfac": lambda: sharpness.fisher_metric(model, x, y, "kfac",
                                                                            batch_size=ESTIMATOR_EXAMPLES)}
     calls = {"hessian_trace": lambda n: sharpness.hessian_trace(
                  model, x, y, num_probes=n, rtol=None, split=False, batch_size=ESTIMATOR_EXAMPLES),
@@ -411,9 +410,11 @@ def run_estimators(args, shape, probes=ESTIMATOR_PROBES):
             seconds = time.perf_counter() - t0
         per_probe = seconds / probes
         peak = memory.peak() - (rss_before if memory.device is None else 0)
-        t0 = time.perf_counter()
-        setup[name]()
-        fixed = time.perf_counter() - t0 if name != "hessian_trace" else 0.0
+        fixed = 0.0
+        if name in setup:
+            t0 = time.perf_counter()
+            setup[name]()
+            fixed = time.perf_counter() - t0
         marginal = max(seconds - fixed, 0.0) / probes
         out[name] = dict(probes=probes, per_probe_s=per_probe, per_probe_gradients=per_probe / out["gradient_s"],
                          setup_gradients=fixed / out["gradient_s"], marginal_gradients=marginal / out["gradient_s"],
