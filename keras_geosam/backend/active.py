@@ -37,6 +37,10 @@ a list of backend tensors:
   convolutional network should be unrolled (XLA:CPU)
 - ``batch_small_products``: True where same-shaped K-FAC blocks should be
   multiplied as one batched product (each op has a fixed cost there)
+- ``loop_pullbacks``: True where repeated pullbacks of one forward pass
+  (cotangent chunks) should run in a compiled loop, so one chunk's
+  buffers are alive at a time (JAX); False where they are pulled back in a
+  Python loop
 - ``compile(fn)`` -> a compiled version of a pure function (or ``fn`` itself)
 - ``replica_count()`` / ``all_reduce_sum(tensors)``: tf.distribute replicas
   (a step's gradients are per-replica there); 1 / identity elsewhere
@@ -110,6 +114,7 @@ eigh = _impl.eigh
 compile = _impl.compile
 slow_convolutions_in_loops = _impl.slow_convolutions_in_loops
 batch_small_products = _impl.batch_small_products
+loop_pullbacks = _impl.loop_pullbacks
 eager_steps = _impl.eager_steps
 refresh_between_steps = _impl.refresh_between_steps
 replica_count = _impl.replica_count
@@ -149,6 +154,7 @@ __all__ = [
     "compile",
     "slow_convolutions_in_loops",
     "batch_small_products",
+    "loop_pullbacks",
     "eager_steps",
     "refresh_between_steps",
     "replica_count",

@@ -15,6 +15,10 @@ slow_convolutions_in_loops = False
 # over its FLOP floor 1.11 -> 0.99 on the bench ViT).
 batch_small_products = True
 
+# A tape's gradient cannot run inside a tf.while_loop on a forward pass
+# recorded outside it: cotangent chunks are pulled back in an unrolled loop.
+loop_pullbacks = False
+
 
 # Steps are traced and compiled: their branches stay on the device.
 eager_steps = False

@@ -53,6 +53,9 @@ slow_convolutions_in_loops = False
 # batched product (U's product on the bench ViT: 9.6 -> 5.4 ms).
 batch_small_products = True
 
+# Eager: a Python loop already frees each chunk's buffers before the next.
+loop_pullbacks = False
+
 
 # Steps run eagerly: a data-dependent branch in a step is decided on the host.
 eager_steps = True

@@ -223,19 +223,18 @@ class Capture:
         for q, (QA, QB, W) in zip(quad, bases):
             i = [i for i, j in kfac_index.items() if j == q][0]
             rotated[i] = (self.rules[i].rotate(rows[i], QA), QB, W)
-        B = [None] * len(self.rules)
         # One position per example (T = 1): g_jn^2 = a_n^2 (delta_jn^2)^T, so
         # sum_j delta_jn^2 (N x n) is accumulated over the column chunks and
         # met with a^2 once at the end (one m x n product, not one per chunk).
-        dsq, dsq_rot = {}, {}
-        for start in range(0, k, chunk):
-            cot = self.fns.output_factors(kind, z, y, key, offset, num_samples, sw, columns=(start, min(start + chunk, k)))
+        def chunk_sums(start, count, acc):
+            acc = {name: dict(part) for name, part in acc.items()}
+            cot = self.fns.output_factors(kind, z, y, key, offset, num_samples, sw, columns=(start, count))
             deltas = pull(cot)
             for i, rule in enumerate(self.rules):
                 if other_diag:
                     calls = [deltas[slot[(i, c)]] for c in range(len(records[i]))]
-                    for vid, s in rule.squared_small_grads(records[i], calls).items():
-                        _add(out["diag"], self.position[vid], s)
+                    for vid, sq in rule.squared_small_grads(records[i], calls).items():
+                        _add(acc["diag"], self.position[vid], sq)
                 if rows[i] is None:
                     continue
                 d = self._deltas(rule, i, records, deltas, slot)
@@ -243,21 +242,34 @@ class Capture:
                 single = int(rows[i].shape[1]) == 1
                 if kfac_index[i] in kernel_diag:
                     if single:
-                        _add(dsq, i, ops.sum(ops.square(d[:, :, 0]), axis=0))
+                        _add(acc["dsq"], i, ops.sum(ops.square(d[:, :, 0]), axis=0))
                     else:
-                        _add(out["diag"], kpos, ops.reshape(rule.squared_gradients(rows[i], d), rule.kernel.shape))
+                        _add(acc["diag"], kpos, ops.reshape(rule.squared_gradients(rows[i], d), rule.kernel.shape))
                 if factors:
                     # "reduce": each example's output gradients summed over positions
                     dr = ops.sum(d, axis=2, keepdims=True) if approximation == "reduce" else d
-                    b = ops.einsum("kntj,kntl->jl", dr, dr)
-                    B[i] = b if B[i] is None else B[i] + b
+                    _add(acc["B"], i, ops.einsum("kntj,kntl->jl", dr, dr))
                 if i in rotated:
                     ar, QB, W = rotated[i]
                     dr = ops.einsum("kntj,jl->kntl", d, ops.cast(QB, d.dtype))
                     if single:
-                        _add(dsq_rot, i, ops.sum(ops.square(dr[:, :, 0]), axis=0))
+                        _add(acc["dsq_rot"], i, ops.sum(ops.square(dr[:, :, 0]), axis=0))
                     else:
-                        _add(out["quad"], kpos, rule.weighted_squares(ar, dr, W))
+                        _add(acc["quad"], kpos, rule.weighted_squares(ar, dr, W))
+            return acc
+
+        acc = chunk_sums(0, chunk, {"diag": {}, "quad": {}, "dsq": {}, "dsq_rot": {}, "B": {}})
+        full = k // chunk
+        if backend.loop_pullbacks and full > 2:
+            # The loop's carry has the first chunk's structure.
+            acc = ops.fori_loop(1, full, lambda j, a: chunk_sums(j * chunk, chunk, a), acc)
+        else:
+            for j in range(1, full):
+                acc = chunk_sums(j * chunk, chunk, acc)
+        if k % chunk:
+            acc = chunk_sums(full * chunk, k % chunk, acc)
+        out["diag"], out["quad"], dsq, dsq_rot = acc["diag"], acc["quad"], acc["dsq"], acc["dsq_rot"]
+        B = [acc["B"].get(i) for i in range(len(self.rules))]
         for i, s in dsq.items():
             rule = self.rules[i]
             _add(out["diag"], self.position[id(rule.kernel)], ops.reshape(rule.square_single(rows[i], s), rule.kernel.shape))

@@ -209,8 +209,10 @@ class ModelFunctions:
         in expectation); ``"empirical"`` has one column per example, the
         gradient of that sequence's own (weighted) mean loss.
 
-        `columns`: ``(start, stop)`` builds only those factors (the exact
-        kind's T*C columns are made chunk by chunk, never all at once).
+        `columns`: ``(start, count)`` builds only those factors (the exact
+        kind's T*C columns are made chunk by chunk, never all at once);
+        `start` may be a scalar tensor (a compiled loop's counter), `count`
+        is a Python int.
 
         The per-example gradient of direction ``c_jn`` is ``J_n^T c_jn``.
         """
@@ -219,7 +221,8 @@ class ModelFunctions:
         n, num_classes = shape[0], shape[-1]
         positions = int(np.prod(shape[1:-1], dtype=np.int64))
         k = self.num_factor_columns(kind, shape, num_samples)
-        start, stop = (0, k) if columns is None else (int(columns[0]), int(columns[1]))
+        start, count = (0, k) if columns is None else (columns[0], int(columns[1]))
+        dynamic = not isinstance(start, (int, np.integer))
         s = self.token_scale(z, sw)
         if kind == "empirical":
             if y is None:
@@ -235,11 +238,15 @@ class ModelFunctions:
                 total = ops.sum(per, axis=1)
                 inv = ops.where(total > 0, 1.0 / ops.sqrt(ops.where(total > 0, total, ops.ones_like(total))), ops.zeros_like(total))
                 out = r * ops.expand_dims(w * ops.reshape(inv, (n,) + (1,) * (len(shape) - 2)), -1)
-            return out[None][start:stop]
+            return out[None]  # one column (k = 1)
         s_col = ops.expand_dims(s, -1)
         if kind == "exact":
-            q = np.arange(start, stop)
-            pos, cls = q // num_classes, q % num_classes
+            if dynamic:
+                q = ops.add(ops.arange(0, count, dtype="int32"), ops.cast(start, "int32"))
+                pos, cls = ops.floor_divide(q, num_classes), ops.mod(q, num_classes)
+            else:
+                q = np.arange(int(start), int(start) + count)
+                pos, cls = q // num_classes, q % num_classes
             flat_s = ops.reshape(s, (n, positions))
             if self.spec.squared_error:
                 # Keras' mean_squared_error averages the last axis: Hessian 2/C I.
@@ -252,10 +259,10 @@ class ModelFunctions:
                 pj = ops.sum(pt * onehot, axis=-1, keepdims=True)
                 vals = ops.sqrt(pj) * (onehot - pt) * ops.transpose(ops.take(flat_s, _ids(pos), axis=1))[:, :, None]
             if positions == 1:
-                return ops.reshape(vals, (len(q),) + shape)
+                return ops.reshape(vals, (count,) + shape)
             at = ops.one_hot(_ids(pos), positions, dtype=z.dtype)  # (k, T)
             spread = at[:, None, :, None] * vals[:, :, None, :]
-            return ops.reshape(spread, (len(q),) + shape)
+            return ops.reshape(spread, (count,) + shape)
         p = ops.exp(ops.log_softmax(z, axis=-1))
         rows = ops.add(ops.arange(0, n, dtype="int32"), ops.cast(offset, "int32"))
         if positions > 1:  # a draw per position: row (example, position)
@@ -263,11 +270,12 @@ class ModelFunctions:
         # The draw and the comparison in float32 at least: 24-bit uniforms
         # overflow float16, and every backend must see the same numbers.
         udtype = "float64" if keras.backend.standardize_dtype(z.dtype) == "float64" else "float32"
-        u = _probes.uniform_from_key(key, rows, ops.arange(start, stop, dtype="int32"), udtype)
+        draws = ops.add(ops.arange(0, count, dtype="int32"), ops.cast(start, "int32"))
+        u = _probes.uniform_from_key(key, rows, draws, udtype)
         cdf = ops.cumsum(ops.cast(ops.reshape(p, (n * positions, num_classes)), udtype), axis=-1)
         labels = ops.sum(ops.cast(ops.greater(u[:, :, None], cdf[:, None, :]), "int32"), axis=-1)
         labels = ops.minimum(labels, num_classes - 1)
-        onehot = ops.reshape(ops.one_hot(ops.transpose(labels), num_classes, dtype=z.dtype), (stop - start,) + shape)
+        onehot = ops.reshape(ops.one_hot(ops.transpose(labels), num_classes, dtype=z.dtype), (count,) + shape)
         return (onehot - p[None]) * s_col[None] / ops.convert_to_tensor(float(num_samples) ** 0.5, dtype=z.dtype)
 
     def ggn_surrogate_of(self, params, nt, x, y, key, offset, kind="exact", num_samples=1, sw=None):
@@ -365,8 +373,10 @@ class ModelFunctions:
 
 
 def _ids(values):
-    """A NumPy array of indices as an int32 tensor."""
-    return ops.convert_to_tensor(np.asarray(values, dtype="int32"))
+    """A NumPy array of indices (or an int tensor) as an int32 tensor."""
+    if isinstance(values, (np.ndarray, list, tuple, range)):
+        return ops.convert_to_tensor(np.asarray(values, dtype="int32"))
+    return ops.cast(values, "int32")
 
 
 def _rows_of_eye(rows, size, dtype):

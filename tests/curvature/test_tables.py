@@ -75,6 +75,34 @@ def test_a_large_table_is_squared_in_chunks_of_examples(monkeypatch, pairs_per_p
     _diagonal_against_dense(_reversible(), x, y, "mc")
 
 
+@pytest.mark.parametrize("kind", ["exact", "mc"])
+def test_output_factors_pulled_back_one_column_at_a_time_give_the_same_statistics(monkeypatch, kind):
+    """Output factors pulled back a few columns at a time (10 of the 55
+    exact columns, the last chunk 5; or one of 3 sampled labels per token;
+    on JAX in a compiled loop) give the diagonal, the K-FAC factors and
+    ``tr(K-FAC^-1 GGN)`` of one chunk of every column (whose diagonal the
+    tests above check against the dense matrix)."""
+    from keras_geosam.curvature import capture
+
+    x, y = _data()
+    shapes = kc.GGN(_reversible(), x, y).capture.call_shapes(x)
+    per_column = max(sum(int(np.prod(s)) for calls in shapes for s in calls), N * T * V)
+
+    def statistics():
+        G = kc.GGN(_reversible(), x, y, kind=kind, num_samples=3)
+        K = G.kfac()
+        total, _ = G.trace_with(K.inverse(damping=1e-3))
+        diag = np.concatenate([np.ravel(keras.ops.convert_to_numpy(d)) for d in G.diagonal()])
+        return diag, K.to_dense(), total
+
+    whole_diag, whole_kfac, whole_trace = statistics()
+    monkeypatch.setattr(capture, "MAX_ELEMENTS", 10 * per_column if kind == "exact" else 1)
+    diag, kfac, trace = statistics()
+    np.testing.assert_allclose(diag, whole_diag, rtol=1e-5, atol=1e-7 * np.max(whole_diag))
+    np.testing.assert_allclose(kfac, whole_kfac, rtol=1e-5, atol=1e-7 * np.max(np.abs(whole_kfac)))
+    np.testing.assert_allclose(trace, whole_trace, rtol=1e-5)
+
+
 def test_position_embedding_diagonal_with_a_start_index_and_given_positions():
     keras_hub = pytest.importorskip("keras_hub")
     for call in ({"start_index": 2}, {"positions": np.array([4, 0, 4, 1, 6], "int32")}):
