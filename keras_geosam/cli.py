@@ -15,6 +15,7 @@ import time
 
 from keras_geosam.experiments import DAMPING
 from keras_geosam.experiments.arguments import fraction as _fraction
+from keras_geosam.experiments.arguments import open_fraction as _open_fraction
 from keras_geosam.experiments.arguments import nonneg_float as _nonneg_float
 from keras_geosam.experiments.arguments import positive_float as _positive_float
 from keras_geosam.experiments.arguments import positive_int as _positive_int
@@ -84,7 +85,8 @@ def _parse(argv):
     p.add_argument("--damping", type=_nonneg_float, default=DAMPING, help=f"relative damping of the damped S_R and lambda_max R columns (default: {DAMPING}; the library's functions default to 1e-3)")
     p.add_argument("--min-train-acc", type=_fraction, default=None, help="final train accuracy below which a run is flagged as collapsed (default: twice chance, 2 / classes)")
     p.add_argument("--num-probes", type=_positive_int, default=20, help="Hutchinson probes per round (more rounds until stderr <= 5%% of the value, at most 100 probes)")
-    p.add_argument("--log-every", type=_positive_int, default=None, help=f"epochs between sharpness logs during training (default: epochs / {LOGS_PER_RUN}, rounded up, which keeps logging under a quarter of the job's time)")
+    p.add_argument("--log-every", type=_positive_int, default=None, help="epochs between sharpness logs during training, whatever they cost (default: --log-budget decides)")
+    p.add_argument("--log-budget", type=_open_fraction, default=0.1, help="the largest share of each run's training time sharpness logging may take: the first and last epochs are logged, others as the budget allows (default: 0.1; ignored with --log-every)")
     p.add_argument("--output", default="geosam_output", help="folder for results.csv, sharpness.png and per-run histories")
     p.add_argument("--fresh", action="store_true", help="recompute runs already in OUTPUT/results.csv (without it they are skipped)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order, the probes and the sampled labels")
@@ -92,8 +94,8 @@ def _parse(argv):
     p.add_argument("--verbose", type=int, choices=[0, 1, 2], default=1, help="0: the table only; 1: a line per run and per sharpness phase; 2: also a line per epoch")
     p.add_argument("--no-plot", action="store_true", help="skip sharpness.png")
     args = p.parse_args(argv)
-    if args.log_every is None:
-        args.log_every = -(-args.epochs // LOGS_PER_RUN)
+    if args.log_every is not None:
+        args.log_budget = None
     return args
 
 
@@ -158,6 +160,7 @@ def _config(args, dataset):
         stat = os.stat(dataset)
         data = f"{data}:{stat.st_size}:{int(stat.st_mtime)}"
     fields = [data, args.epochs, args.lr, args.seed, args.probe_data, args.probe_size, args.num_probes, args.log_every,
+              args.log_budget,
               args.damping, args.min_train_acc, __version__]
     return hashlib.sha1(json.dumps(fields).encode()).hexdigest()[:12]
 
@@ -224,7 +227,9 @@ def run_dataset(args, dataset, results):
     print(
         f"keras_geosam main job: backend={keras.backend.backend()} dataset={name_of_data} "
         f"train={len(x_tr)} test={len(x_te)} classes={classes} epochs={args.epochs} "
-        f"probe examples={len(xp)} ({args.probe_data}) sharpness every {args.log_every} epoch(s)",
+        f"probe examples={len(xp)} ({args.probe_data}) sharpness "
+        + (f"every {args.log_every} epoch(s)" if args.log_every else
+           f"within {args.log_budget:.0%} of training time (the first and last epochs always)"),
         flush=True,
     )
     Logger = type("SharpnessLogger", (_TimedLogger, kg.callbacks.SharpnessLogger), {})
@@ -248,7 +253,7 @@ def run_dataset(args, dataset, results):
         logger = Logger(
             xp, yp,
             metrics=LOGGED,
-            every_n_epochs=args.log_every, num_probes=args.num_probes, seed=args.seed,
+            every_n_epochs=args.log_every, budget=args.log_budget, num_probes=args.num_probes, seed=args.seed,
             options={"riemannian_sharpness_kfac": {"damping": args.damping}},
             verbose=int(args.verbose >= 2),
         )
@@ -319,7 +324,6 @@ class ResultsFile(_ResultsFile):
 
 
 FINAL_ESTIMATES = ("S_R diag", "S_R diag damped", "S_R mc(8) damped", "S_R kfac", "tr H", "lambda_max", "lambda_max R")
-LOGS_PER_RUN = 4
 # Logged during training (the plot's curves); the final table has them all.
 # Each estimator's first call compiles, which costs more than later calls,
 # so the logged set is kept to two.

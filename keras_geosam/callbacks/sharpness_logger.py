@@ -6,6 +6,7 @@ import warnings
 
 import keras
 
+from keras_geosam import backend
 from keras_geosam import keras_internals
 from keras_geosam import sharpness
 from keras_geosam._checks import check_int
@@ -33,7 +34,7 @@ _METRICS = {
 class SharpnessLogger(keras.callbacks.Callback):
     """Adds sharpness measures and their standard errors to the epoch ``logs``.
 
-    Every `every_n_epochs` epochs it evaluates each requested metric on the
+    On the epochs it logs, it evaluates each requested metric on the
     fixed data ``(x, y)`` with a fixed seed (so epochs are comparable and
     differences come from the weights, not the probes) and writes
     ``logs[prefix + name]`` and ``logs[prefix + name + "_stderr"]``; for
@@ -48,6 +49,14 @@ class SharpnessLogger(keras.callbacks.Callback):
     to read). On epochs it skips the keys hold NaN, so every epoch has the
     same columns.
 
+    Which epochs it logs: by default a time budget. It logs the first epoch
+    and the last one of ``fit``, and in between an epoch only if, with
+    that log, its own time (compilation included) stays within `budget` of
+    the fit's wall time so far; a log is assumed to cost what the last one
+    did, less what it compiled (as far as the backend reports compilation:
+    JAX). The logs then come at an even spacing. ``every_n_epochs=k`` logs every k epochs instead (no budget);
+    ``budget=None`` logs every epoch.
+
     Keras hands every callback the same ``logs`` in list order, so at the
     start of training the logger moves itself to the front of the
     callback list: History, CSVLogger, TensorBoard, EarlyStopping and
@@ -56,7 +65,10 @@ class SharpnessLogger(keras.callbacks.Callback):
     Args:
         x, y: probe data (keep it small: every metric streams over it).
         metrics: names from ``SharpnessLogger.available()``.
-        every_n_epochs: evaluate on epochs ``n-1, 2n-1, ...`` (0-based).
+        every_n_epochs: evaluate on epochs ``n-1, 2n-1, ...`` (0-based),
+            whatever the cost; None (default): the `budget` decides.
+        budget: the largest share of the fit's wall time the logger may
+            take, in (0, 1) (default 0.1); None logs every epoch.
         num_probes, rtol, max_probes: Hutchinson probes per round, the
             relative standard error to reach, and the cap.
         seed: fixed seed for probes and sampled labels.
@@ -72,7 +84,7 @@ class SharpnessLogger(keras.callbacks.Callback):
     Raises:
         ValueError: if a metric is unknown or none is given,
             `every_n_epochs`, `num_probes` or `max_probes` is not an integer
-            >= 1, `rtol` is not positive, `options` names a metric that is
+            >= 1, `rtol` is not positive, `budget` is not in (0, 1), `options` names a metric that is
             not logged, or the data is invalid; at the start of training,
             if a Riemannian metric meets a loss that is not a categorical
             cross-entropy.
@@ -102,7 +114,8 @@ class SharpnessLogger(keras.callbacks.Callback):
         x,
         y,
         metrics=("hessian_trace", "riemannian_sharpness"),
-        every_n_epochs=1,
+        every_n_epochs=None,
+        budget=0.1,
         num_probes=20,
         rtol=0.05,
         max_probes=100,
@@ -121,8 +134,13 @@ class SharpnessLogger(keras.callbacks.Callback):
             raise ValueError(f"Unknown sharpness metric(s) {unknown}; available: {sorted(_METRICS)}.")
         if not metrics:
             raise ValueError("metrics must name at least one metric.")
-        for name, value in (("every_n_epochs", every_n_epochs), ("num_probes", num_probes), ("max_probes", max_probes)):
+        for name, value in (("num_probes", num_probes), ("max_probes", max_probes)):
             check_int(name, value)
+        if every_n_epochs is not None:
+            check_int("every_n_epochs", every_n_epochs)
+            budget = None  # every k epochs, whatever the cost
+        else:
+            budget = check_number("budget", budget, 0.0, strict=True, below=1.0, allow_none=True)
         rtol = check_number("rtol", rtol, 0.0, strict=True, allow_none=True)
         options = dict(options or {})
         stray = [k for k in options if k not in metrics]
@@ -134,7 +152,12 @@ class SharpnessLogger(keras.callbacks.Callback):
         self.x, self.y = check_data(x, y, sample_weight=sample_weight)
         self.sample_weight = sample_weight
         self.metrics = tuple(metrics)
-        self.every_n_epochs = every_n_epochs
+        self.every_n_epochs = 1 if every_n_epochs is None and budget is None else every_n_epochs
+        self.budget = budget
+        self._clock = time.perf_counter  # fake ones in tests
+        self._compile_clock = backend.compile_seconds
+        self._fit_start, self._spent, self._last_cost, self._epochs_seen, self._told = None, 0.0, None, 0, False
+        self._last_epoch = None
         self.num_probes = num_probes
         self.rtol = rtol
         self.max_probes = max_probes
@@ -164,6 +187,20 @@ class SharpnessLogger(keras.callbacks.Callback):
         self._check_model()
         self._move_to_front()
         self._warned = set()
+        self._fit_start = self._clock()
+        self._spent, self._last_cost, self._epochs_seen, self._told = 0.0, None, 0, False
+        self._last_epoch = (self.params or {}).get("epochs")
+        self._last_epoch = None if self._last_epoch is None else self._last_epoch - 1
+        if self.budget is not None and backend.process_count() > 1:
+            # Each process reads its own clock: their choices could differ,
+            # and a log is a collective computation.
+            warnings.warn(
+                f"SharpnessLogger: budget={self.budget:g} needs one clock, and {backend.process_count()} "
+                "processes each have theirs: logging every epoch. Pass every_n_epochs=k to log less often.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.budget, self.every_n_epochs = None, 1
 
     def _check_model(self):
         # Before the first epoch trains: a wrong loss or bad data should not
@@ -248,12 +285,43 @@ class SharpnessLogger(keras.callbacks.Callback):
                 text = f"SharpnessLogger, {self.prefix + name} (said once per fit; the '_ggn' and '_residual' keys follow it every epoch): {text}"
             warnings.warn(text, w.category, stacklevel=3)
 
+    # -------------------------------------------------------- schedule ----
+    def _due(self, epoch):
+        if self.budget is None:
+            return (epoch + 1) % self.every_n_epochs == 0
+        if self._last_cost is None or epoch == self._last_epoch:
+            return True  # the first epoch this fit reaches, and the last
+        elapsed = self._clock() - self._fit_start
+        return self._spent + self._last_cost <= self.budget * (elapsed + self._last_cost)
+
+    def _tell_once(self):
+        if self._told or not self.verbose or self.budget is None:
+            return
+        self._told = True
+        elapsed = self._clock() - self._fit_start
+        epoch = (elapsed - self._spent) / max(self._epochs_seen, 1)
+        every = math.ceil(self._last_cost * (1 - self.budget) / max(self.budget * epoch, 1e-12))
+        print(
+            f"SharpnessLogger: a log costs {self._last_cost:.2f} s, an epoch {epoch:.2f} s: it logs about every "
+            f"{every} epochs, to stay within budget={self.budget:g} of fit's time (the first and last epochs "
+            "always; every_n_epochs=k or budget=None to choose).",
+            flush=True,
+        )
+
     def on_epoch_end(self, epoch, logs=None):
         if logs is None:
             return
-        if (epoch + 1) % self.every_n_epochs == 0:
+        self._epochs_seen += 1
+        if self._due(epoch):
+            start, compiled = self._clock(), self._compile_clock()
             values = self.compute()
+            cost = self._clock() - start
+            self._spent += cost
+            # The next log is assumed to cost this one's time less what it
+            # compiled (the first log's compilation is not paid again).
+            self._last_cost = max(cost - (self._compile_clock() - compiled), 0.0)
             self.history.append((epoch, values))
         else:
+            self._tell_once()
             values = {k: math.nan for k in self.keys()}
         logs.update(values)

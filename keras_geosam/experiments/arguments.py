@@ -23,6 +23,7 @@ nonneg_int = _number(int, lambda v: v >= 0, ">= 0")
 positive_float = _number(float, lambda v: v > 0, "> 0")
 nonneg_float = _number(float, lambda v: v >= 0, ">= 0")
 fraction = _number(float, lambda v: 0 <= v <= 1, "in [0, 1]")
+open_fraction = _number(float, lambda v: 0 < v < 1, "in (0, 1)")
 
 
 def positive_ints(text):

@@ -150,6 +150,78 @@ def test_every_n_epochs_writes_nan_on_skipped_epochs(tmp_path):
     assert float(rows[1]["hessian_trace"]) == pytest.approx(values[1], rel=TOL)
 
 
+def _fake_clock_fit(logger, epochs, epoch_seconds, log_seconds, initial_epoch=0, first_compile=0.0):
+    """Fits with a fake clock: each epoch's training takes `epoch_seconds`,
+    each log `log_seconds` (a list: the first log's, then each later one's),
+    of which the first log spends `first_compile` compiling; returns the
+    logged epochs and the clock at each log's end."""
+    t, compiled = [0.0], [0.0]
+    costs = list(log_seconds)
+    ends = []
+    logger._clock = lambda: t[0]
+    logger._compile_clock = lambda: compiled[0]
+
+    def compute():
+        t[0] += costs.pop(0) if len(costs) > 1 else costs[0]
+        compiled[0] += first_compile if not ends else 0.0
+        ends.append(t[0])
+        return {k: 1.0 for k in logger.keys()}
+
+    logger.compute = compute
+    x, y = _data()
+    tick = keras.callbacks.LambdaCallback(on_epoch_begin=lambda e, logs: t.__setitem__(0, t[0] + epoch_seconds))
+    hist = _model().fit(x, y, epochs=epochs, initial_epoch=initial_epoch, verbose=0, callbacks=[logger, tick])
+    logged = [e for e, _ in logger.history]
+    values = hist.history["hessian_trace"]
+    assert [i + initial_epoch for i, v in enumerate(values) if not math.isnan(v)] == logged  # NaN rows elsewhere
+    return logged, ends, t[0]
+
+
+def test_the_budget_logs_the_first_and_last_epochs_and_spaces_the_rest():
+    """Epochs of 1 s, logs of 3 s, budget 0.5. Epoch 0 logs (t = 4, spent 3).
+    A log at epoch k's end keeps spent + 3 <= 0.5 (elapsed + 3): next at
+    elapsed 9 (epoch 5), then every 3 epochs; epoch 19 is the last."""
+    x, y = _data()
+    logger = SharpnessLogger(x, y, metrics="hessian_trace", budget=0.5)
+    logged, ends, total = _fake_clock_fit(logger, 20, 1.0, [3.0])
+    assert logged == [0, 5, 8, 11, 14, 17, 19]
+    # Every log but the forced first and last keeps the logger within budget.
+    for i, end in enumerate(ends[1:-1], start=2):
+        assert 3.0 * i <= 0.5 * end + 1e-9
+    assert logger._spent == pytest.approx(3.0 * len(logged))
+
+
+def test_a_first_log_that_compiles_and_a_small_budget():
+    x, y = _data()
+    # The first log costs 10 s, 8 of them compiling; later ones 2 s; budget
+    # 0.25: spent 10 + 2 <= 0.25 (elapsed + 2) needs elapsed >= 46 (epoch
+    # 35), then spent + 2 <= 0.25 (elapsed + 2) every 6 epochs (elapsed + 8).
+    logger = SharpnessLogger(x, y, metrics="hessian_trace", budget=0.25)
+    logged, _, _ = _fake_clock_fit(logger, 50, 1.0, [10.0, 2.0], first_compile=8.0)
+    assert logged == [0, 35, 41, 47, 49]
+    # Without the compilation known, the next log is assumed to cost 10 s.
+    logger = SharpnessLogger(x, y, metrics="hessian_trace", budget=0.25)
+    assert _fake_clock_fit(logger, 50, 1.0, [10.0, 2.0])[0] == [0, 49]
+    logger = SharpnessLogger(x, y, metrics="hessian_trace", budget=0.05)
+    assert _fake_clock_fit(logger, 12, 1.0, [3.0])[0] == [0, 11]
+    # A resumed fit: its first epoch is initial_epoch.
+    logger = SharpnessLogger(x, y, metrics="hessian_trace", budget=0.05)
+    assert _fake_clock_fit(logger, 12, 1.0, [3.0], initial_epoch=4)[0] == [4, 11]
+
+
+def test_every_n_epochs_or_no_budget_ignore_the_clock(capsys):
+    x, y = _data()
+    logger = SharpnessLogger(x, y, metrics="hessian_trace", every_n_epochs=3, budget=0.01)
+    assert _fake_clock_fit(logger, 7, 1.0, [100.0])[0] == [2, 5]
+    logger = SharpnessLogger(x, y, metrics="hessian_trace", budget=None)
+    assert _fake_clock_fit(logger, 4, 1.0, [100.0])[0] == [0, 1, 2, 3]
+    # verbose=1 says once why epochs are skipped and what a log costs.
+    logger = SharpnessLogger(x, y, metrics="hessian_trace", budget=0.5, verbose=1)
+    _fake_clock_fit(logger, 6, 1.0, [3.0])
+    out = capsys.readouterr().out
+    assert out.count("a log costs 3.00 s, an epoch 1.00 s: it logs about every 3 epochs") == 1
+
+
 def test_csv_logger_records_the_keys(tmp_path):
     x, y = _data()
     model = _model()
@@ -265,6 +337,10 @@ def test_fixed_seed_gives_identical_values_when_weights_do_not_change():
         ({"every_n_epochs": 0}, "every_n_epochs"),
         ({"every_n_epochs": -2}, "every_n_epochs"),
         ({"every_n_epochs": 1.5}, "every_n_epochs"),
+        ({"budget": 0.0}, "budget"),
+        ({"budget": 1.0}, "budget"),
+        ({"budget": -0.1}, "budget"),
+        ({"budget": "often"}, "budget"),
         ({"num_probes": 0}, "num_probes"),
         ({"max_probes": 0}, "max_probes"),
         ({"rtol": 0.0}, "rtol"),

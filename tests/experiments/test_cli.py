@@ -8,6 +8,7 @@ from keras_geosam import cli
 @pytest.mark.parametrize("argv", [
     ["--batch-sizes", "0"], ["--batch-sizes", "16,-4"], ["--batch-sizes", "x"], ["--batch-sizes", ","],
     ["--epochs", "0"], ["--probe-size", "0"], ["--num-probes", "-1"], ["--log-every", "0"], ["--lr", "0"],
+    ["--log-budget", "0"], ["--log-budget", "1"],
 ])
 def test_invalid_values_are_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit) as info:
@@ -53,10 +54,12 @@ def test_backend_that_will_run(monkeypatch, tmp_path):
     assert cli.backend_that_will_run() == ("torch", "keras.json")
 
 
-def test_log_every_default_follows_epochs():
-    assert cli._parse(["--epochs", "20"]).log_every == 5
-    assert cli._parse(["--epochs", "3"]).log_every == 1
-    assert cli._parse(["--epochs", "20", "--log-every", "2"]).log_every == 2
+def test_logging_follows_a_time_budget_unless_log_every_is_given():
+    args = cli._parse(["--epochs", "20"])
+    assert (args.log_every, args.log_budget) == (None, 0.1)
+    assert cli._parse(["--log-budget", "0.25"]).log_budget == 0.25
+    args = cli._parse(["--epochs", "20", "--log-every", "2"])
+    assert (args.log_every, args.log_budget) == (2, None)
 
 
 # ------------------------------------------------------------ --data ----
