@@ -60,7 +60,7 @@ def quadratic_forms(op, start, count, seed, stream="hutchinson"):
     return np.concatenate(out, axis=0)
 
 
-def hutchinson(op, num_probes=10, rtol=None, max_probes=200, seed=0, shift=0.0, paths=None, bar=None):
+def hutchinson(op, num_probes=10, rtol=None, max_probes=200, seed=0, shift=0.0, paths=None, bar=None, min_probes=10):
     """Trace of `op` by Hutchinson's estimator.
 
     Args:
@@ -70,6 +70,13 @@ def hutchinson(op, num_probes=10, rtol=None, max_probes=200, seed=0, shift=0.0, 
             ``stderr <= rtol * |shift + mean|`` or `max_probes` are used
             (a ``RuntimeWarning`` says when the target is not reached).
         max_probes: the cap on probes when `rtol` is set.
+        min_probes: futility stop: once this many probes are drawn (at the
+            end of a round), if reaching `rtol` would take more than
+            `max_probes` probes (``n (stderr / (rtol |value|))^2``, the
+            standard error falling as ``1/sqrt(n)``), it stops there, says
+            so in a warning and records ``info["futility"]`` (the probes
+            drawn and the projected count). ``min_probes >= max_probes``
+            turns it off.
         seed: probe seed (identical probes on every backend).
         shift: an exact part of the quantity, added to the value (used only
             for the value and the `rtol` test).
@@ -81,8 +88,8 @@ def hutchinson(op, num_probes=10, rtol=None, max_probes=200, seed=0, shift=0.0, 
         tensor's share in ``per_layer``.
 
     Raises:
-        ValueError: if `num_probes` or `max_probes` is not an integer >= 1,
-            or `rtol` is not positive.
+        ValueError: if `num_probes`, `max_probes` or `min_probes` is not an
+            integer >= 1, or `rtol` is not positive.
 
     Example:
 
@@ -95,10 +102,12 @@ def hutchinson(op, num_probes=10, rtol=None, max_probes=200, seed=0, shift=0.0, 
     """
     num_probes = check_int("num_probes", num_probes)
     rtol = check_number("rtol", rtol, 0.0, strict=True, allow_none=True)
+    min_probes = check_int("min_probes", min_probes)
     if rtol is not None:
         max_probes = max(check_int("max_probes", max_probes), num_probes)
     paths = [str(i) for i in range(len(op.shapes))] if paths is None else list(paths)
     rows = np.zeros((0, len(op.shapes)))
+    futility = None
     while True:
         count = num_probes if rtol is None else min(num_probes, max_probes - rows.shape[0])
         rows = np.concatenate([rows, quadratic_forms(op, rows.shape[0], count, seed)], axis=0)
@@ -109,7 +118,20 @@ def hutchinson(op, num_probes=10, rtol=None, max_probes=200, seed=0, shift=0.0, 
         total = rows.sum(axis=1)
         n = total.size
         stderr = total.std(ddof=1) / math.sqrt(n) if n > 1 else math.inf
-        if stderr <= rtol * abs(shift + total.mean()):
+        target = rtol * abs(shift + total.mean())
+        if stderr <= target:
+            break
+        projected = math.inf if target == 0 else n * (stderr / target) ** 2
+        if min_probes <= n < max_probes and projected > max_probes:
+            futility = {"probes": int(n), "projected": float(projected)}
+            warnings.warn(
+                f"Hutchinson: relative standard error {stderr / max(abs(shift + total.mean()), 1e-300):.3g} "
+                f"above rtol={rtol} after {n} probes; reaching it would take about {projected:.3g} probes, "
+                f"more than max_probes={max_probes}, so it stopped there (futility; min_probes={min_probes} "
+                "turns this off when >= max_probes). The estimate reports its stderr.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             break
         if n >= max_probes:
             warnings.warn(
@@ -120,6 +142,8 @@ def hutchinson(op, num_probes=10, rtol=None, max_probes=200, seed=0, shift=0.0, 
             )
             break
     info = {"estimator": "hutchinson (Rademacher)", "rtol": rtol, "seed": seed}
+    if futility is not None:
+        info["futility"] = futility
     return from_samples(rows.sum(axis=1), dict(zip(paths, rows.T)), info, shift=shift)
 
 

@@ -137,6 +137,8 @@ def residual_diagnosis(est, what, rtol, max_probes):
         said.append(
             f"the relative standard error {abs(est.stderr) / max(abs(est.value), 1e-300):.3g} stays above "
             f"rtol={rtol} after {est.num_samples} probes (max_probes={max_probes})"
+            + (f", where it stopped: reaching rtol would take about {info['futility']['projected']:.3g} probes"
+               if "futility" in info else "")
         )
     if riemannian:
         meaning = (

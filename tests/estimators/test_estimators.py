@@ -78,15 +78,48 @@ def test_hutchinson_rtol_stops_early_or_warns():
     A = random_symmetric(2, spectrum=np.linspace(1.0, 2.0, DIM))
     est = hutchinson(dense(A), num_probes=5, rtol=0.2, max_probes=100)
     assert est.num_samples < 100 and est.stderr <= 0.2 * abs(est.value)
-    # An unreachable one: max_probes, with a warning.
+    # An unreachable one, the futility stop off: max_probes, with a warning.
     B = random_symmetric(3)
     with pytest.warns(RuntimeWarning, match="max_probes"):
-        est = hutchinson(dense(B), num_probes=5, rtol=1e-6, max_probes=23)
-    assert est.num_samples == 23
+        est = hutchinson(dense(B), num_probes=5, rtol=1e-6, max_probes=23, min_probes=23)
+    assert est.num_samples == 23 and "futility" not in est.info
     with pytest.raises(ValueError, match="rtol"):
         hutchinson(dense(B), rtol=0.0)
     with pytest.raises(ValueError, match="num_probes"):
         hutchinson(dense(B), num_probes=0)
+
+
+def test_hutchinson_stops_when_rtol_is_out_of_reach():
+    """z^T A z for A = [[t, a], [a, t]] and Rademacher z is 2t + 2a z1 z2:
+    the trace 2t plus +-2a, a per-probe standard deviation of 2a (known
+    variance). Reaching rtol = 0.05 on trace 2 takes (2a / 0.1)^2 probes:
+    400 for a = 1, above max_probes = 200, so it stops at the first round
+    past min_probes; for a = 0.1 (4 probes) rtol is met."""
+    wide = Dense(np.array([[1.0, 1.0], [1.0, 1.0]]), [(2,)])
+    with pytest.warns(RuntimeWarning, match="futility") as caught:
+        est = hutchinson(wide, num_probes=5, rtol=0.05, max_probes=200, seed=1)
+    assert est.num_samples == 10  # rounds of 5: the first check past min_probes=10
+    assert est.info["futility"]["probes"] == 10
+    projected = est.info["futility"]["projected"]
+    # The projection is n (stderr / (rtol |mean|))^2 from the drawn probes,
+    # near the exact 400 (a sample standard deviation of +-2 values).
+    s = est.samples
+    assert projected == pytest.approx(10 * (s.std(ddof=1) / math.sqrt(10) / (0.05 * abs(s.mean()))) ** 2, rel=1e-9)
+    assert 200 < projected < 1000
+    assert "about" in str(caught[0].message)
+    # min_probes >= max_probes: today's behaviour, probe for probe.
+    with pytest.warns(RuntimeWarning, match="max_probes"):
+        full = hutchinson(wide, num_probes=5, rtol=0.05, max_probes=200, seed=1, min_probes=200)
+    assert full.num_samples == 200 and "futility" not in full.info
+    np.testing.assert_array_equal(full.samples[:10], est.samples)
+    # Within reach: no stop, rtol met.
+    narrow = Dense(np.array([[1.0, 0.1], [0.1, 1.0]]), [(2,)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        est = hutchinson(narrow, num_probes=5, rtol=0.05, max_probes=200, seed=1)
+    assert "futility" not in est.info and est.stderr <= 0.05 * abs(est.value)
+    with pytest.raises(ValueError, match="min_probes"):
+        hutchinson(wide, min_probes=0)
 
 
 def test_hutchpp_is_exact_on_low_rank_operators():
