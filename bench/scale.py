@@ -479,7 +479,7 @@ def collect(args):
     for b in args.backends:
         for shape, work, method in runs(args):
             if args.in_process:
-                results.append(run_one(args, shape, work, method))
+                results.append(run_estimators(args, shape) if method == "estimators" else run_one(args, shape, work, method))
             else:
                 try:
                     results.append(child(args, b, shape, work, method))
@@ -599,7 +599,8 @@ def exponent(rows):
     for b in sorted({r["backend"] for r in rows}):
         by_shape = {}
         for r in rows:
-            if r["backend"] == b and "error" not in r:
+            # Only the GPT-2 widths: a fit across model families means nothing.
+            if r["backend"] == b and "error" not in r and r["shape"].startswith("gpt2_w"):
                 by_shape.setdefault(r["shape"], {})[r["method"]] = r
         points = [(c["base"]["params"], c["llqr_diag"]["step_s"] + c["llqr_diag"]["refresh_s"] / 1000 - c["base"]["step_s"])
                   for c in by_shape.values() if "base" in c and "refresh_s" in c.get("llqr_diag", {})]
