@@ -54,8 +54,10 @@ class SharpnessLogger(keras.callbacks.Callback):
     that log, its own time (compilation included) stays within `budget` of
     the fit's wall time so far; a log is assumed to cost what the last one
     did, less what it compiled (as far as the backend reports compilation:
-    JAX). The logs then come at an even spacing. ``every_n_epochs=k`` logs every k epochs instead (no budget);
-    ``budget=None`` logs every epoch.
+    JAX). The logs then come at an even spacing. ``every_n_epochs=k``
+    logs every k epochs instead (no budget); ``budget=None`` every epoch.
+    With several processes (multi-process JAX) each would read its own
+    clock, so the budget gives way to logging every epoch, with a warning.
 
     Keras hands every callback the same ``logs`` in list order, so at the
     start of training the logger moves itself to the front of the
@@ -84,8 +86,9 @@ class SharpnessLogger(keras.callbacks.Callback):
     Raises:
         ValueError: if a metric is unknown or none is given,
             `every_n_epochs`, `num_probes` or `max_probes` is not an integer
-            >= 1, `rtol` is not positive, `budget` is not in (0, 1), `options` names a metric that is
-            not logged, or the data is invalid; at the start of training,
+            >= 1, `rtol` is not positive, `budget` is not in (0, 1),
+            `options` names a metric that is not logged, or the data is
+            invalid; at the start of training,
             if a Riemannian metric meets a loss that is not a categorical
             cross-entropy.
 
@@ -289,6 +292,8 @@ class SharpnessLogger(keras.callbacks.Callback):
     def _due(self, epoch):
         if self.budget is None:
             return (epoch + 1) % self.every_n_epochs == 0
+        if self._fit_start is None:  # callbacks driven by hand, not by fit
+            self._fit_start = self._clock()
         if self._last_cost is None or epoch == self._last_epoch:
             return True  # the first epoch this fit reaches, and the last
         elapsed = self._clock() - self._fit_start
