@@ -5,6 +5,7 @@
     python bench/scale.py --backends all --shapes gpt2_2,gpt2,vit_b16,resnet50 --work small,large
     python bench/scale.py --exponent                       # overhead ~ P^k over GPT-2 widths
     python bench/scale.py --toy                            # seconds: every code path on a tiny GPT-2
+    python bench/scale.py --paired --shapes gpt2 --skip-refresh  # the methods' steps in turn, in one process
     python bench/scale.py --estimators --shapes gpt2       # tr H and S_R (K-FAC) per probe, in gradients
 
 Shapes, built from their libraries' configurations with random weights (no
@@ -62,6 +63,15 @@ Goals (issue "LLQR+SAM at the sizes people train"), on JAX and torch at the
 small work size and above: diagonal step <= 1.1x SAM; K-FAC and EK-FAC
 <= max(1.3x SAM, 1.1x their floor); compile <= 60 s; a refresh <= 1.5x
 its floor, compiled once; overhead exponent <= 1.1.
+
+``--paired`` runs every method of a (backend, shape, work) in one process,
+one step of each per round, every other round in reverse order (work
+``small/paired`` in the table): each
+ratio (``/SAM``, ``/base``) is the median over rounds of the step's time
+over SAM's (the base's) in the same round, so a machine whose speed drifts
+between processes (a shared host: SAM's step at GPT-2-small measured 6.4 s
+and 9.4 s an hour apart) moves both sides of a ratio. Steps only: the
+models share the process, so no peak memory and no refresh is read.
 
 ``--estimators`` measures the sharpness estimators at each shape instead
 (issue goal: within 3 gradients per probe and 2x a training step's peak):
@@ -335,6 +345,61 @@ def run_one(args, shape, work, method):
     return out
 
 
+def run_paired(args, shape, work, methods):
+    """Every method of `methods` on one shape and work size, in this
+    process, their steps taken in turn (one step of each per round, every
+    other round in reverse order): a ratio is read within a round, so a
+    machine whose speed drifts (a shared host, a CPU's clock) moves both
+    sides of it. One row per method, with ``paired_ratios``: the median
+    over rounds of its step over SAM's and the base's."""
+    import keras
+
+    import keras_geosam as kg
+    from keras_geosam import backend
+
+    b = keras.backend.backend()
+    per_step = WORK[("lm" if shape_config(shape)["kind"] == "lm" else "image")][work]
+    runs, rows = {}, {}
+    for method in methods:
+        keras.utils.set_random_seed(0)
+        model, data, positions = build(keras, shape)
+        opt = optimizer(keras, kg, shape, method, args.refresh_steps)
+        if method != "base":
+            model = kg.attach(model)
+        model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        x, y = data(per_step * args.steps, 0)
+        batches = [keras.tree.map_structure(lambda t, i=i: t[i * per_step:(i + 1) * per_step], (x, y))
+                   for i in range(args.steps)]
+        row = dict(backend=b, device=_accelerator(b) or "cpu", shape=shape, work=f"{work}/paired", method=method,
+                   params=int(model.count_params()), examples=per_step, units=per_step * positions, steps=args.steps,
+                   forward_flops=forward_flops(model, batches[0][0]))
+        if method in STRUCTURE:
+            row["u_flops"] = u_flops(opt.preconditioner.layout)
+        c0, t0 = backend.compile_seconds(), time.perf_counter()
+        model.train_on_batch(*batches[0])
+        row["first_step_s"] = time.perf_counter() - t0
+        model.train_on_batch(*batches[1 % args.steps])
+        runs[method], rows[method] = (model, batches), row
+        log(f"[{b}] {shape} {work} paired: {method} built and compiled ({row['first_step_s']:.1f} s)")
+    times = {m: [] for m in methods}
+    for i in range(args.steps):
+        # Every other round in reverse: a method's place in the round (what
+        # ran just before it, what memory it finds) does not favour it.
+        for m in (methods if i % 2 == 0 else methods[::-1]):
+            model, batches = runs[m]
+            t0 = time.perf_counter()
+            model.train_on_batch(*batches[i])
+            times[m].append(time.perf_counter() - t0)
+    for m, row in rows.items():
+        row["step_s"], row["step_min_s"], row["step_s_all"] = statistics.median(times[m]), min(times[m]), times[m]
+        row["compile_s"] = row.pop("first_step_s") - row["step_s"]
+        row["paired_ratios"] = {ref: statistics.median(t / r for t, r in zip(times[m], times[ref]))
+                                for ref in ("sam", "base") if ref in times}
+        log(f"[{b}] {shape} {work} paired: {m} step {row['step_s']:.3f} s, over SAM (paired) "
+            f"{_f(row['paired_ratios'].get('sam'), '.3f')}")
+    return list(rows.values())
+
+
 def _xla_step_bytes(model, batch):
     """JAX: XLA's own accounting of the compiled train step (no allocator
     slack): its arguments (the state: weights, optimizer slots, U) and its
@@ -451,6 +516,7 @@ def child(args, b, shape, work, method):
     cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{shape}:{work}:{method}", "--json", path,
            "--steps", str(args.steps), "--refresh-steps", str(args.refresh_steps)]
     cmd += ["--skip-refresh"] if args.skip_refresh else []
+    cmd += ["--methods", ",".join(args.methods)] if method == "paired" else []
     env = dict(os.environ, KERAS_BACKEND=b, TF_CPP_MIN_LOG_LEVEL="2")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, stdout=sys.stderr, timeout=args.timeout)
@@ -468,10 +534,24 @@ def runs(args):
     if args.estimators:
         return [(s, "estimators", "estimators") for s in (["toy"] if args.toy else args.shapes)]
     if args.toy:
-        return [("toy", w, m) for w in ("small",) for m in args.methods]
+        return [("toy", "small", "paired")] if args.paired else [("toy", "small", m) for m in args.methods]
     if args.exponent:
         return [(f"gpt2_w{d}", "small", m) for d in EXPONENT_WIDTHS for m in ("base", "llqr_diag")]
+    if args.paired:
+        return [(s, w, "paired") for s in args.shapes for w in args.work]
     return [(s, w, m) for s in args.shapes for w in args.work for m in args.methods]
+
+
+def _run(args, shape, work, method):
+    if method == "estimators":
+        return run_estimators(args, shape)
+    if method == "paired":
+        return run_paired(args, shape, work, args.methods)
+    return run_one(args, shape, work, method)
+
+
+def _as_rows(result):
+    return result if isinstance(result, list) else [result]
 
 
 def collect(args):
@@ -479,10 +559,10 @@ def collect(args):
     for b in args.backends:
         for shape, work, method in runs(args):
             if args.in_process:
-                results.append(run_estimators(args, shape) if method == "estimators" else run_one(args, shape, work, method))
+                results += _as_rows(_run(args, shape, work, method))
             else:
                 try:
-                    results.append(child(args, b, shape, work, method))
+                    results += _as_rows(child(args, b, shape, work, method))
                 except subprocess.TimeoutExpired:
                     results.append(dict(backend=b, shape=shape, work=work, method=method,
                                         error=f"over --timeout {args.timeout} s"))
@@ -500,16 +580,18 @@ def derive(rows):
         for m, r in cell.items():
             if "error" in r:
                 continue
+            paired = r.get("paired_ratios", {})
             if base and "error" not in base:
-                r["over_base"] = r["step_s"] / base["step_s"]
+                r["over_base"] = paired.get("base", r["step_s"] / base["step_s"])
             if not sam or "error" in sam:
                 continue
-            r["over_sam"] = r["step_s"] / sam["step_s"]
+            r["over_sam"] = paired.get("sam", r["step_s"] / sam["step_s"])
             grad = 3 * r["forward_flops"]
             if m in STRUCTURE:
                 u = r["u_flops"]
-                r["floor_s"] = sam["step_s"] * (2 * grad + 2 * u) / (2 * grad)
-                r["over_floor"] = r["step_s"] / r["floor_s"]
+                r["floor_over_sam"] = (2 * grad + 2 * u) / (2 * grad)
+                r["floor_s"] = sam["step_s"] * r["floor_over_sam"]
+                r["over_floor"] = r["over_sam"] / r["floor_over_sam"]
                 if "refresh_s" not in r:
                     continue
                 f = r["forward_flops"]
@@ -533,13 +615,11 @@ def table(rows):
         if "error" in r:
             lines.append(head + f" ERR: {r['error']} |" + " |" * 11)
             continue
-        floor = r.get("floor_s")
-        sam = r["step_s"] / r["over_sam"] if "over_sam" in r else None
-        peak = f"{r['peak_bytes'] / 1e9:.2f} ({r['peak_bytes'] / r['params']:.1f})"
+        peak = f"{r['peak_bytes'] / 1e9:.2f} ({r['peak_bytes'] / r['params']:.1f})" if "peak_bytes" in r else "-"
         refresh_peak = _f(r.get("refresh_peak_bytes") and r["refresh_peak_bytes"] / 1e9)
         lines.append(
             head + f" {r['step_s']:.3f} | {_f(r.get('over_base'))} | {_f(r.get('over_sam'))} | "
-            f"{_f(floor / sam if floor and sam else None)} | {_f(r.get('over_floor'))} | {r['compile_s']:.1f} | "
+            f"{_f(r.get('floor_over_sam'))} | {_f(r.get('over_floor'))} | {r['compile_s']:.1f} | "
             f"{_f(r.get('refresh_s'), '.1f')} | {_f(r.get('refresh_over_floor'))} | {_f(r.get('amortised_over_sam'))} | "
             f"{_f(r.get('refresh_every_10pct'), '.0f')} | {peak} | {refresh_peak} |")
     return "\n".join(lines)
@@ -582,7 +662,7 @@ def goals(cells):
                 out.append(f"- {where} LLQR+SAM diag / SAM: {r['over_sam']:.2f} (<= {DIAG_GOAL}): "
                            f"{verdict(r['over_sam'] <= DIAG_GOAL)}")
             elif m in STRUCTURE:
-                bound = max(KFAC_SAM_GOAL, FLOOR_GOAL * r["floor_s"] / (r["step_s"] / r["over_sam"]))
+                bound = max(KFAC_SAM_GOAL, FLOOR_GOAL * r["floor_over_sam"])
                 out.append(f"- {where} {LABELS[m]} / SAM: {r['over_sam']:.2f} (<= max(1.3, 1.1 x floor) = "
                            f"{bound:.2f}): {verdict(r['over_sam'] <= bound)}")
             if "refresh_s" in r:
@@ -647,6 +727,8 @@ def main(argv=None):
     p.add_argument("--skip-refresh", action="store_true", help="time the steps only (large work sizes on a CPU)")
     p.add_argument("--exponent", action="store_true", help="base and LLQR+SAM diag over GPT-2 widths")
     p.add_argument("--estimators", action="store_true", help="tr H and K-FAC S_R per probe at each shape")
+    p.add_argument("--paired", action="store_true",
+                   help="the methods in one process per shape, steps in turn: ratios immune to a drifting machine")
     p.add_argument("--toy", action="store_true", help="a tiny GPT-2, every method in this process (seconds)")
     p.add_argument("--in-process", action="store_true", help="every run in this process (smoke runs)")
     p.add_argument("--timeout", type=float, default=7200.0, help="seconds per process")
@@ -660,7 +742,7 @@ def main(argv=None):
         args.backends = [os.environ.get("KERAS_BACKEND", "jax")]
     if args.one:
         shape, work, method = args.one.split(":")
-        row = run_estimators(args, shape) if method == "estimators" else run_one(args, shape, work, method)
+        row = _run(args, shape, work, method)
         with open(args.json, "w") as f:
             json.dump(row, f)
         return 0

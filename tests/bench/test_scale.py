@@ -98,3 +98,24 @@ def test_the_estimator_bench_reads_a_probe_in_gradients_on_a_tiny_gpt2():
         assert np.isfinite(e["value"]) and e["stderr"] > 0 and np.isfinite(e["peak_over_step"])
     assert row["hessian_trace"]["setup_gradients"] == 0 and row["riemannian_sharpness_kfac"]["setup_gradients"] > 0
     assert "| toy | hessian_trace |" in scale.estimator_table([row])
+
+
+def test_paired_runs_take_their_steps_in_turn_and_read_ratios_within_a_round():
+    """``--paired`` on the toy, in this process: one row per method, each
+    ratio the median of the per-round ratios (SAM's own exactly 1), and the
+    table's /SAM column reads it."""
+    pytest.importorskip("keras_hub")
+    import argparse
+
+    import scale
+
+    args = argparse.Namespace(steps=3, refresh_steps=2)
+    rows = scale.run_paired(args, "toy", "small", ["sam", "llqr_diag"])
+    assert [r["method"] for r in rows] == ["sam", "llqr_diag"]
+    sam, diag = rows
+    assert sam["paired_ratios"] == {"sam": 1.0} and len(diag["step_s_all"]) == 3
+    per_round = [d / s for d, s in zip(diag["step_s_all"], sam["step_s_all"])]
+    assert diag["paired_ratios"]["sam"] == pytest.approx(float(np.median(per_round)))
+    scale.derive(rows)
+    assert diag["over_sam"] == diag["paired_ratios"]["sam"] and diag["floor_over_sam"] == 1.0
+    assert "| toy | small/paired | LLQR+SAM diag |" in scale.table(rows)
