@@ -25,8 +25,10 @@ class Estimate:
             ``info["residual"]``), excluded parameters, ...
 
     ``float(estimate)`` is ``estimate.value``; ``format()`` gives
-    ``"value ± stderr"``, and ``within_noise`` says whether the value is
-    within two standard errors of zero.
+    ``"value ± stderr"`` (ending "(given M)" when ``info
+    ["stderr_given_metric"]``: the stderr leaves out the sampling of a
+    metric built from sampled labels), and ``within_noise`` says whether
+    the value is within two standard errors of zero.
 
     Example:
 
@@ -60,6 +62,7 @@ class Estimate:
     def format(self, digits=4):
         """``"value ± stderr"``, flagged with ``(~0)`` when within noise."""
         flag = " (~0)" if self.stderr and self.within_noise else ""
+        flag += " (given M)" if self.info.get("stderr_given_metric") else ""
         return f"{self.value:.{digits}g} ± {self.stderr:.2g}{flag}"
 
     def __repr__(self):
@@ -68,6 +71,8 @@ class Estimate:
             extra = f", nonzero_fisher={self.info['num_nonzero_fisher']}/{self.info['num_params']}"
         if self.stderr and self.within_noise:
             extra += ", within 2 stderr of zero"
+        if self.info.get("stderr_given_metric"):
+            extra += ", stderr given the sampled metric"
         return (
             f"Estimate(value={self.value:.6g}, stderr={self.stderr:.3g}, "
             f"num_samples={self.num_samples}{extra})"

@@ -92,7 +92,7 @@ def riemannian_sharpness(
     model, x, y, structure="diagonal", kind="exact", damping=None, num_probes=20, rtol=0.05, max_probes=100,
     num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, split=True, estimator="hutchinson",
     max_params=4000, rcond=None, loss=None, verbose=0, sample_weight=None, max_exact_classes=MAX_EXACT_CLASSES,
-    exact_samples=8,
+    exact_samples=8, metric_draws=1,
 ):
     """Riemannian sharpness ``S_R = tr(M^-1 H)`` at the model's weights.
 
@@ -114,7 +114,8 @@ def riemannian_sharpness(
         num_samples: labels per example for ``kind="mc"``.
         seed: seeds label draws and probes (the same on every backend).
         split: exact GGN part plus residual (default) or probes on all of H.
-        estimator: ``"hutchinson"`` or ``"hutch++"`` for the probed part.
+        estimator: ``"hutchinson"``, ``"hutch++"`` or ``"deflated"`` for the
+            probed part (as for ``hessian_trace``).
         max_params: refuse ``structure="exact"`` above this many parameters.
         rcond: pseudo-inverse cutoff relative to each block's largest
             eigenvalue (default: 0 for diagonal blocks; dimension times the
@@ -133,6 +134,16 @@ def riemannian_sharpness(
             its standard error. Defaults to `64`.
         exact_samples: labels per token above `max_exact_classes` (>= 2).
             Defaults to `8`.
+        metric_draws: independent estimates to average, each with its own
+            metric, sampled columns and probes (seeds ``seed``,
+            ``seed + 1``, ...). A metric built from sampled labels
+            (``kind="mc"``, or more than `max_exact_classes` classes) varies
+            with its draw, and one draw's stderr cannot see that: with
+            `metric_draws` >= 2 the value is the draws' mean and the stderr
+            their spread over sqrt(draws), covering every random source.
+            With 1 (default) and a sampled metric, the stderr is given the
+            metric drawn: ``info["stderr_given_metric"]`` is True and
+            ``format()`` ends with "(given M)". Defaults to `1`.
 
     Returns:
         An :class:`Estimate`; ``info`` holds the metric, damping, excluded
@@ -145,8 +156,8 @@ def riemannian_sharpness(
         (also in ``info["residual_warning"]``).
 
     Raises:
-        ValueError: if `structure`, `kind` or `estimator` is unknown, `num_probes` or
-            `max_probes` is not an integer >= 1, `rtol` is not positive,
+        ValueError: if `structure`, `kind` or `estimator` is unknown, `num_probes`,
+            `max_probes` or `metric_draws` is not an integer >= 1, `rtol` is not positive,
             `damping` is negative, the loss is not a categorical
             cross-entropy, ``structure="exact"`` exceeds `max_params`, the
             model is not built, or the data is invalid (lengths differ,
@@ -174,6 +185,13 @@ def riemannian_sharpness(
     check_int("max_probes", max_probes)
     check_estimator(estimator)
     check_number("damping", damping, 0.0, allow_none=True)
+    metric_draws = check_int("metric_draws", metric_draws)
+    if metric_draws > 1:
+        return _over_draws(
+            lambda s: riemannian_sharpness(
+                model, x, y, structure, kind, damping, num_probes, rtol, max_probes, num_samples, s, batch_size, split,
+                estimator, max_params, rcond, loss, verbose, sample_weight, max_exact_classes, exact_samples),
+            seed, metric_draws)
     fns = model_functions(model, loss, training=False)
     require_classifier(fns.spec, "riemannian_sharpness")
     _common.check_inputs(model, x, y, loss, sample_weight)
@@ -190,6 +208,7 @@ def riemannian_sharpness(
 
     info = {"metric": structure, "fisher": kind, "damping": damping, "damping_relative_to": "each block's mean eigenvalue"}
     info.update(M.info if hasattr(M, "info") else {})
+    info["stderr_given_metric"] = info["metric_fisher"] != "exact" and info["metric_fisher"] != "empirical"
     info.update(_metric_info(M, M_inverse, damping, rcond))
     if split:
         what = f"riemannian_sharpness (structure={structure!r}, damping={damping:g})"
@@ -220,6 +239,30 @@ def riemannian_sharpness(
             stacklevel=2,
         )
     return est
+
+
+def _over_draws(estimate, seed, draws):
+    """The mean of `draws` independent estimates (seeds ``seed + i``), with
+    their spread as the stderr: every random source (the metric's labels,
+    sampled columns, probes) is in it. ``info`` is the first draw's, with
+    each part averaged and its stderr from the parts' spread."""
+    runs = [estimate(seed + i) for i in range(draws)]
+    values = np.array([r.value for r in runs])
+    sqrt_n = np.sqrt(draws)
+    info = dict(runs[0].info)
+    for part in ("exact_part", "residual"):
+        if part in info:
+            parts = np.array([r.info[part] for r in runs])
+            info[part], info[f"{part}_stderr"] = float(parts.mean()), float(parts.std(ddof=1) / sqrt_n)
+    if "rtol_reached" in info:
+        info["rtol_reached"] = all(r.info["rtol_reached"] for r in runs)
+    info.update(metric_draws=draws, draw_values=values.tolist(), draw_stderrs=[r.stderr for r in runs],
+                stderr_given_metric=False, stderr_covers="the spread of independent draws (metric, columns, probes)")
+    value = float(values.mean())
+    info["normalized"] = value / max(info.get("num_nonzero_fisher", 0), 1)
+    per_layer = {k: float(np.mean([r.per_layer[k] for r in runs])) for k in runs[0].per_layer}
+    return Estimate(value=value, stderr=float(values.std(ddof=1) / sqrt_n), num_samples=sum(r.num_samples for r in runs),
+                    per_layer=per_layer, samples=values, info=info)
 
 
 def _exact(model, fns, x, y, kind, damping, num_samples, seed, batch_size, max_params, loss, rcond, sample_weight=None):
@@ -261,5 +304,6 @@ def _exact(model, fns, x, y, kind, damping, num_samples, seed, batch_size, max_p
         damping_abs=lam,
         rcond=rcond,
         inverse=("pseudo-inverse (eigenvalues below rcond * max dropped)" if lam == 0 else "damped inverse"),
+        stderr_given_metric=kind == "mc",
     )
     return Estimate(value=value, stderr=0.0, num_samples=info["num_examples"], per_layer=per_layer, info=info)

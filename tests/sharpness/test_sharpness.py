@@ -657,6 +657,34 @@ def test_riemannian_empirical_metric():
     assert est.info["fisher"] == "empirical"
 
 
+@pytest.mark.parametrize("structure", ["diagonal", "kfac"])
+def test_a_sampled_metric_s_spread_is_in_the_stderr_of_its_draws(structure):
+    """kind="mc" on a layerwise-linear net: the residual is exact, so one
+    draw reports ± 0 (flagged "given M") while its value moves with the
+    labels drawn. With metric_draws=4 the stderr is the draws' spread: over
+    20 seeds the values spread as the reported stderrs say (ratio of the
+    values' standard deviation to the RMS stderr within [0.6, 1.6]; about
+    +-2.5 sigma for 19 and 60 degrees of freedom)."""
+    case = get_case("relu_mlp")
+    kw = dict(structure=structure, kind="mc", num_samples=2)
+    one = ks.riemannian_sharpness(case.model, case.x, case.y, seed=0, **kw)
+    assert one.stderr == 0 and one.info["stderr_given_metric"] and one.format().endswith("(given M)")
+    values, stderrs = [], []
+    for s in range(20):
+        est = ks.riemannian_sharpness(case.model, case.x, case.y, seed=10 * s, metric_draws=4, **kw)
+        if s == 0:  # draw i is the single-draw estimate at seed + i
+            assert est.info["draw_values"][0] == one.value and est.info["metric_draws"] == 4
+            assert est.value == pytest.approx(np.mean(est.info["draw_values"]), rel=1e-12)
+            assert not est.info["stderr_given_metric"] and "(given M)" not in est.format()
+            assert est.info["exact_part"] == pytest.approx(est.value, rel=1e-12)  # the residual is exactly 0
+        values.append(est.value)
+        stderrs.append(est.stderr)
+    ratio = np.std(values, ddof=1) / np.sqrt(np.mean(np.square(stderrs)))
+    assert 0.6 <= ratio <= 1.6, (ratio, values, stderrs)
+    exact = ks.riemannian_sharpness(case.model, case.x, case.y, structure=structure)
+    assert not exact.info["stderr_given_metric"] and "(given M)" not in exact.format()
+
+
 @pytest.mark.parametrize("metric", ["diagonal", "kfac"])
 def test_metric_counts_add_up_and_match_the_dense_metric(metric):
     """Both structures count directions of their own metric: nonzero plus
@@ -940,6 +968,8 @@ def test_riemannian_validation():
         ks.riemannian_sharpness(case.model, case.x, case.y, num_probes=0)
     with pytest.raises(ValueError, match="estimator"):
         ks.riemannian_sharpness(case.model, case.x, case.y, estimator="xtrace")
+    with pytest.raises(ValueError, match="metric_draws"):
+        ks.riemannian_sharpness(case.model, case.x, case.y, metric_draws=0)
 
 
 @pytest.mark.parametrize("fn", ["hessian_trace", "riemannian_sharpness", "hessian_max_eigenvalue", "riemannian_max_eigenvalue", "fisher_diagonal"])
