@@ -41,6 +41,9 @@ a list of backend tensors:
   (cotangent chunks) should run in a compiled loop, so one chunk's
   buffers are alive at a time (JAX); False where they are pulled back in a
   Python loop
+- ``max_probe_block``: the most probes an operator hands one compiled
+  product (an integer where a kernel's graph grows with them: TensorFlow),
+  or None
 - ``compile(fn)`` -> a compiled version of a pure function (or ``fn`` itself)
 - ``replica_count()`` / ``all_reduce_sum(tensors)``: tf.distribute replicas
   (a step's gradients are per-replica there); 1 / identity elsewhere
@@ -115,6 +118,7 @@ compile = _impl.compile
 slow_convolutions_in_loops = _impl.slow_convolutions_in_loops
 batch_small_products = _impl.batch_small_products
 loop_pullbacks = _impl.loop_pullbacks
+max_probe_block = _impl.max_probe_block
 eager_steps = _impl.eager_steps
 refresh_between_steps = _impl.refresh_between_steps
 replica_count = _impl.replica_count
@@ -155,6 +159,7 @@ __all__ = [
     "slow_convolutions_in_loops",
     "batch_small_products",
     "loop_pullbacks",
+    "max_probe_block",
     "eager_steps",
     "refresh_between_steps",
     "replica_count",

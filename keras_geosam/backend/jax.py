@@ -22,6 +22,9 @@ batch_small_products = False
 # GB per sampled label); a compiled loop keeps one chunk's buffers.
 loop_pullbacks = True
 
+# vmap over the probes: a kernel's trace does not grow with their number.
+max_probe_block = None
+
 
 # Steps are traced and compiled: their branches stay on the device.
 eager_steps = False

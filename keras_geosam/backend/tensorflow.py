@@ -19,6 +19,12 @@ batch_small_products = True
 # recorded outside it: cotangent chunks are pulled back in an unrolled loop.
 loop_pullbacks = False
 
+# hvp_batched unrolls one second backward pass per probe in its graph (a
+# tape cannot be differentiated inside a tf.while_loop, nor vectorised
+# over convolutions): operators hand it at most this many probes per call,
+# so a graph's length and trace time do not grow with the probe count.
+max_probe_block = 8
+
 
 # Steps are traced and compiled: their branches stay on the device.
 eager_steps = False

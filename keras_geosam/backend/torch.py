@@ -56,6 +56,9 @@ batch_small_products = True
 # Eager: a Python loop already frees each chunk's buffers before the next.
 loop_pullbacks = False
 
+# Eager: nothing is traced, so a block of any size costs no more to build.
+max_probe_block = None
+
 
 # Steps run eagerly: a data-dependent branch in a step is decided on the host.
 eager_steps = True

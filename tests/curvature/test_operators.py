@@ -453,6 +453,33 @@ def test_matvec_and_application_to_a_list():
         assert rel(ref.flatten(out), case.hessian @ v) < case.tol
 
 
+def test_many_probes_reach_the_kernels_in_blocks(monkeypatch):
+    """With ``backend.max_probe_block`` at 3, a Hessian product of 7
+    probes hands the kernel 3, 3 and 1 probes and equals the explicit
+    product; TensorFlow caps by default (its batched HVP unrolls one
+    backward pass per probe, so a graph stays a block long whatever the
+    probe count), JAX and torch do not."""
+    from keras_geosam import backend
+
+    assert backend.max_probe_block == (8 if keras.backend.backend() == "tensorflow" else None)
+    case = get_case("sigmoid_mlp")
+    model = build_sigmoid_mlp().model  # the same weights, no kernel compiled yet
+    seen = []
+    hvp_batched = backend.hvp_batched
+
+    def spy(f, params, vectors, *args):
+        seen.append(int(vectors[0].shape[0]))  # at trace time where the kernel is compiled
+        return hvp_batched(f, params, vectors, *args)
+
+    monkeypatch.setattr(backend, "hvp_batched", spy)
+    monkeypatch.setattr(backend, "max_probe_block", 3)
+    V = np.random.default_rng(4).normal(size=(7, case.P))
+    H = cv.Hessian(model, case.x, case.y, batch_size=case.batch_size)
+    out = H.matmat(split_flat(V, case.shapes))
+    assert set(seen) == {3, 1}
+    assert rel(ref.flatten_rows(out), V @ case.hessian) < case.tol
+
+
 def test_mc_labels_use_the_global_example_index():
     """Streaming (batches of 5): labels follow the global row, so the
     operator equals the unstreamed one; per-batch row numbering would draw
