@@ -12,6 +12,14 @@ Reported per backend, all warm (after the first call, which compiles):
 one training epoch with each optimizer, one logger call, their ratios, and
 each metric's time and probe count. Run:
 ``python bench/logger_cost.py [--backends jax,torch]``.
+
+``--deflation`` compares the probed residual's estimators instead, on the
+same model after the same training (4 Adam epochs): K-FAC S_R and tr H
+with ``estimator="hutchinson"`` and ``"deflated"`` (rtol 0.05, at most 100
+products each), over `--repeats` seeds: the value, its relative stderr and
+the products used, and for the deflated one the first round's stderr
+against the rest's (how much of the probes' variance the sketched
+directions carried).
 """
 
 import argparse
@@ -99,19 +107,80 @@ def measure(repeats):
     }
 
 
+def deflation(seeds):
+    """Hutchinson against deflated Hutchinson on the residual (module doc)."""
+    import warnings
+
+    import numpy as np
+    import keras
+
+    import keras_geosam as kg
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, VOCAB, size=(N_TRAIN, SEQ)).astype("int32")
+    y = (x == 7).any(axis=1).astype("int32")
+    model = build(keras)
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=BATCH, epochs=4, verbose=0)
+    xs, ys = x[:N_PROBE], y[:N_PROBE]
+    calls = {"riemannian_sharpness_kfac": lambda e, s: kg.sharpness.riemannian_sharpness(
+                 model, xs, ys, structure="kfac", estimator=e, seed=s),
+             "hessian_trace": lambda e, s: kg.sharpness.hessian_trace(model, xs, ys, estimator=e, seed=s)}
+    rows = []
+    for name, call in calls.items():
+        for estimator in ("hutchinson", "deflated"):
+            for seed in range(seeds):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    t0 = time.perf_counter()
+                    est = call(estimator, seed)
+                    seconds = time.perf_counter() - t0
+                d = est.info.get("deflation")
+                products = d["products"] if isinstance(d, dict) else est.num_samples
+                rows.append({"metric": name, "estimator": estimator, "seed": seed, "value": float(est.value),
+                             "stderr": float(est.stderr), "relative_stderr": float(est.relative_stderr),
+                             "residual": float(est.info["residual"]), "products": int(products), "seconds": seconds,
+                             "deflation": d})
+    return {"backend": keras.backend.backend(), "params": int(model.count_params()), "rows": rows}
+
+
+def print_deflation(results):
+    print("| backend | metric | estimator | value ± stderr per seed | median relative stderr | products | "
+          "deflated: first round's stderr -> rest's |")
+    print("|---|---|---|---|---:|---:|---|")
+    for r in results:
+        cells = {}
+        for row in r["rows"]:
+            cells.setdefault((row["metric"], row["estimator"]), []).append(row)
+        for (metric, estimator), rows in cells.items():
+            values = "; ".join(f"{x['value']:.4g} ± {x['stderr']:.2g}" for x in rows)
+            rel = float(sorted(x["relative_stderr"] for x in rows)[len(rows) // 2])
+            products = "/".join(str(x["products"]) for x in rows)
+            deflated = "; ".join(f"{x['deflation']['first_round']['stderr']:.2g} -> {x['deflation']['rest_stderr']:.2g}"
+                                 for x in rows if isinstance(x["deflation"], dict)) or "-"
+            print(f"| {r['backend']} | {metric} | {estimator} | {values} | {rel:.3g} | {products} | {deflated} |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backends", default="jax,tensorflow,torch")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--deflation", action="store_true", help="Hutchinson against deflated Hutchinson on the residual")
     ap.add_argument("--json", help=argparse.SUPPRESS)  # set by the per-backend parent
     args = ap.parse_args()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(measure(args.repeats), f)
+            json.dump(deflation(args.repeats) if args.deflation else measure(args.repeats), f)
         return
     from _backends import run_each_backend
 
-    results, failed = run_each_backend(__file__, ["--repeats", str(args.repeats)], args.backends.split(","))
+    extra = ["--deflation"] if args.deflation else []
+    results, failed = run_each_backend(__file__, ["--repeats", str(args.repeats)] + extra, args.backends.split(","))
+    if args.deflation:
+        print_deflation(results)
+        sys.exit(1 if failed else 0)
     print(f"SharpnessLogger ({', '.join(METRICS)}) on {N_PROBE} sequences vs one epoch of "
           f"{N_TRAIN} sequences (batch {BATCH}), warm; medians of {args.repeats}.")
     print("| backend | epoch s: Adam, LLQR+SAM | logger s | logger / epoch: Adam, LLQR+SAM | first call s | "

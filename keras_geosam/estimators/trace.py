@@ -6,6 +6,9 @@
 - :func:`hutchpp`: Hutch++ (Meyer et al. 2021): the trace of A on a
   sketched top subspace exactly, Hutchinson on the rest; far fewer probes
   when A's spectrum decays.
+- :func:`deflated_hutchinson`: Hutchinson's first round; only when it misses
+  ``rtol``, the same deflation as Hutch++ (a sketched subspace exactly)
+  with adaptive Hutchinson rounds on the rest, in the same probe budget.
 
 Probes are drawn on the device in the operator's dtype
 (:mod:`keras_geosam.curvature.probes`): one seed gives the same probes on
@@ -25,6 +28,7 @@ from keras_geosam.curvature.kernels import KernelCache
 from keras_geosam._checks import check_int
 from keras_geosam._checks import check_number
 from keras_geosam.curvature import probes
+from keras_geosam.curvature.operators.base import LinearOperator
 from keras_geosam.curvature.operators.base import flatten
 from keras_geosam.curvature.operators.base import per_tensor_inner
 from keras_geosam.curvature.operators.base import unflatten
@@ -33,6 +37,9 @@ from keras_geosam.estimators.estimate import from_samples
 # Probes per operator call are capped so that a block of them stays within
 # this many elements (~128 MB in float32).
 MAX_BLOCK_ELEMENTS = 1 << 25
+# A deflation's basis (rank x dim) and its sketch are held whole: above
+# this many elements (~512 MB in float32) deflated_hutchinson does not deflate.
+MAX_SKETCH_ELEMENTS = 1 << 27
 
 
 _KERNELS = KernelCache()
@@ -181,14 +188,131 @@ def hutchpp(op, num_matvecs=30, seed=0, shift=0.0, paths=None):
     if k < 2:
         raise ValueError("hutchpp needs num_matvecs >= 6 (two probes per stage).")
     paths = [str(i) for i in range(len(op.shapes))] if paths is None else list(paths)
-    sketch = op.matmat(probes.rademacher(seed, 0, k, op.shapes, op.dtype, "sketch"))
-    q, _ = ops.qr(ops.transpose(flatten(sketch)))  # (dim, k), orthonormal columns
-    Q = unflatten(ops.transpose(q), op.shapes)
-    exact = np.asarray(ops.convert_to_numpy(per_tensor_inner(*op.quadratic_pair(Q))), dtype="float64").sum(axis=0)
-    g = flatten(probes.rademacher(seed, 0, k, op.shapes, op.dtype, "hutchinson"))
-    g = g - ops.einsum("kj,pj->kp", ops.einsum("kp,pj->kj", g, q), q)  # project out the sketched range
-    G = unflatten(g, op.shapes)
-    rows = np.asarray(ops.convert_to_numpy(per_tensor_inner(*op.quadratic_pair(G))), dtype="float64")
+    q = _sketch_basis(op, k, seed)
+    exact = _trace_on(op, q)
+    rest = Deflated(op, q)
+    rows = np.asarray(ops.convert_to_numpy(per_tensor_inner(*rest.quadratic_pair(
+        probes.rademacher(seed, 0, k, op.shapes, op.dtype, "hutchinson")))), dtype="float64")
     info = {"estimator": "hutch++", "sketch_rank": k, "num_matvecs": 3 * k, "seed": seed, "exact_on_sketch": float(exact.sum())}
     est = from_samples(rows.sum(axis=1), dict(zip(paths, rows.T + exact[:, None])), info, shift=shift + float(exact.sum()))
     return est
+
+
+def _sketch_basis(op, k, seed):
+    """``(dim, k)`` orthonormal basis of the range of ``A Omega`` (k
+    Rademacher probes of the "sketch" stream): A's top subspace, roughly."""
+    sketch = op.matmat(probes.rademacher(seed, 0, k, op.shapes, op.dtype, "sketch"))
+    q, _ = ops.qr(ops.transpose(flatten(sketch)))
+    return q
+
+
+def _trace_on(op, q):
+    """``tr(q^T A q)`` per tensor (a NumPy vector): k products."""
+    Q = unflatten(ops.transpose(q), op.shapes)
+    return np.asarray(ops.convert_to_numpy(per_tensor_inner(*op.quadratic_pair(Q))), dtype="float64").sum(axis=0)
+
+
+class Deflated(LinearOperator):
+    """``(I - q q^T) A (I - q q^T)``: `op` with the orthonormal columns of
+    `q` (``(dim, k)``) projected out on both sides. Its trace is ``tr A -
+    tr(q^T A q)``; a probe's quadratic form takes one product with A."""
+
+    def __init__(self, op, q):
+        super().__init__(op.shapes, op.dtype)
+        self.op, self.q = op, q
+
+    def project(self, vectors):
+        g = flatten(vectors)
+        g = g - ops.einsum("kj,pj->kp", ops.einsum("kp,pj->kj", g, self.q), self.q)
+        return unflatten(g, self.shapes)
+
+    def matmat(self, vectors):
+        return self.project(self.op.matmat(self.project(self.check(vectors))))
+
+    def quadratic_pair(self, vectors):
+        return self.op.quadratic_pair(self.project(vectors))
+
+
+def deflated_hutchinson(op, num_probes=10, rtol=None, max_probes=200, seed=0, shift=0.0, paths=None, bar=None,
+                        min_probes=10, rank=None):
+    """Hutchinson, deflated when its first round misses `rtol`.
+
+    The first round is :func:`hutchinson`'s (the same probes and value). If
+    its standard error is above ``rtol * |shift + mean|``, the rest of the
+    `max_probes` budget (counted in products with `op`) goes to
+    ``tr A = tr(q^T A q) + tr((I - q q^T) A (I - q q^T))``: `q` an
+    orthonormal basis of ``A Omega`` for `rank` sketch probes (`rank`
+    products), the first term exactly (`rank` products), the second by
+    Hutchinson rounds of `num_probes` on fresh projected probes until
+    `rtol`, the budget or the futility stop. Where a few directions carry
+    most of ``||A||_F`` (the variance of a probe), they leave the probes'
+    variance. The first round's probes are not reused (its values would
+    correlate with the sketch only through `A`, but the simpler estimate
+    is kept honest): the value is the deflated one.
+
+    Args:
+        op: any symmetric :class:`LinearOperator`.
+        num_probes, rtol, max_probes, seed, shift, paths, bar, min_probes:
+            as for :func:`hutchinson`; `max_probes` bounds every product,
+            the sketch's and the exact part's included.
+        rank: sketch probes. Defaults to `None` (`num_probes`).
+
+    Returns:
+        An :class:`Estimate`. Undeflated (`rtol` met in the first round,
+        no `rtol`, a budget under ``2 rank + 2`` more products, or a basis
+        over ``MAX_SKETCH_ELEMENTS``): :func:`hutchinson`'s own, with
+        ``info["deflation"]`` saying why not. Deflated: the value
+        ``shift + tr(q^T A q) + rest``, the stderr the rest's; ``info
+        ["deflation"]`` holds ``rank``, ``exact_on_subspace``, ``rest``,
+        ``rest_stderr``, the first round's ``first_round`` value and
+        stderr and ``products`` (all products with `op`).
+
+    Raises:
+        ValueError: as for :func:`hutchinson`, or if `rank` is not an
+            integer >= 1.
+
+    Example:
+
+    >>> rng = np.random.default_rng(0)
+    >>> V = np.linalg.qr(rng.normal(size=(40, 40)))[0]
+    >>> A = (V * np.r_[100.0, -80.0, rng.normal(size=38)]) @ V.T  # two directions dominate
+    >>> op = kg.curvature.Dense(A.astype("float32"), [(40,)])
+    >>> est = kg.estimators.deflated_hutchinson(op, num_probes=8, rtol=0.2, max_probes=60)
+    >>> est.info["deflation"]["rank"], abs(est.value - np.trace(A)) <= 4 * est.stderr
+    (8, True)
+    """
+    num_probes = check_int("num_probes", num_probes)
+    rank = num_probes if rank is None else check_int("rank", rank)
+    rtol = check_number("rtol", rtol, 0.0, strict=True, allow_none=True)
+    budget = max_probes - num_probes - 2 * rank
+    why = None
+    if rtol is None:
+        why = "not asked: no rtol"
+    elif budget < 2:
+        why = f"no budget: max_probes={max_probes} leaves {budget} products after the first round and the sketch"
+    elif rank * op.dim > MAX_SKETCH_ELEMENTS:
+        why = f"too large: a basis of {rank} x {op.dim} elements is over {MAX_SKETCH_ELEMENTS}"
+    if why is not None:
+        est = hutchinson(op, num_probes, rtol, max_probes, seed, shift=shift, paths=paths, bar=bar, min_probes=min_probes)
+        est.info["deflation"] = why
+        return est
+    first = hutchinson(op, num_probes, None, max_probes, seed, shift=shift, paths=paths, bar=bar, min_probes=min_probes)
+    first.info["rtol"] = rtol
+    if first.stderr <= rtol * abs(first.value):
+        first.info["deflation"] = "not needed: the first round met rtol"
+        return first
+    q = _sketch_basis(op, rank, seed)
+    exact = _trace_on(op, q)
+    if bar is not None:
+        bar.add(2 * rank)
+    rest = hutchinson(Deflated(op, q), num_probes, rtol, budget, seed, shift=shift + float(exact.sum()), paths=paths,
+                      bar=bar, min_probes=min_probes)
+    value_of_rest = rest.value - shift - float(exact.sum())
+    rest.info.update(estimator="deflated hutchinson (Rademacher)", deflation={
+        "rank": rank, "exact_on_subspace": float(exact.sum()), "rest": value_of_rest, "rest_stderr": rest.stderr,
+        "first_round": {"value": first.value, "stderr": first.stderr},
+        "products": num_probes + 2 * rank + rest.num_samples})
+    for i, path in enumerate(rest.per_layer):
+        rest.per_layer[path] += float(exact[i])
+    return rest
+

@@ -27,12 +27,13 @@ from keras_geosam.curvature.operators import GGNResidual
 from keras_geosam.curvature.operators import Hessian
 from keras_geosam.curvature.operators.model import MAX_EXACT_CLASSES
 from keras_geosam.estimators import Estimate
+from keras_geosam.estimators import deflated_hutchinson
 from keras_geosam.estimators import hutchinson
 from keras_geosam.estimators import hutchpp
 from keras_geosam.sharpness import _common
 from keras_geosam.sharpness.linearity import is_layerwise_linear
 
-ESTIMATORS = ("hutchinson", "hutch++")
+ESTIMATORS = ("hutchinson", "hutch++", "deflated")
 
 
 def _has_regularization(fns, x):
@@ -48,10 +49,14 @@ def check_estimator(estimator):
 
 def stochastic_trace(op, estimator, num_probes, rtol, max_probes, seed, shift, paths, verbose):
     """Trace of `op` by the chosen estimator (Hutch++ uses ``3 * num_probes``
-    products and no rtol)."""
+    products and no rtol; ``"deflated"`` is Hutchinson until its first round
+    misses `rtol`, then a sketched subspace exactly and the rest by probes,
+    within `max_probes` products)."""
     if estimator == "hutch++":
         return hutchpp(op, num_matvecs=3 * max(num_probes, 2), seed=seed, shift=shift, paths=paths)
     bar = progbar(max_probes if rtol is not None else num_probes, verbose, "probe")
+    if estimator == "deflated":
+        return deflated_hutchinson(op, num_probes, rtol, max_probes, seed, shift=shift, paths=paths, bar=bar)
     return hutchinson(op, num_probes, rtol, max_probes, seed, shift=shift, paths=paths, bar=bar)
 
 
@@ -99,7 +104,7 @@ def split_trace(model, x, y, inverse=None, inverse_sqrt=None, num_probes=20, rto
     info.update(est.info)
     residual, residual_se = est.value - exact, est.stderr
     stderr = float(np.hypot(residual_se, exact_se))
-    reached = rtol is None or estimator != "hutchinson" or stderr <= rtol * abs(est.value)
+    reached = rtol is None or estimator == "hutch++" or stderr <= rtol * abs(est.value)
     info.update(
         residual=residual, residual_stderr=residual_se, residual_exact=False, rtol_reached=bool(reached),
         parts=f"tr(M^-1 GGN) {'sampled' if ginfo['exact_part_sampled'] else 'exact'}; "
@@ -173,7 +178,9 @@ def hessian_trace(model, x, y, num_probes=20, rtol=0.05, max_probes=100, split=N
         max_probes: the cap on probes when `rtol` is set. Defaults to `100`.
         split: see above; True needs a cross-entropy classifier. Defaults
             to `None` (True for classifiers).
-        estimator: ``"hutchinson"`` or ``"hutch++"``.
+        estimator: ``"hutchinson"``, ``"hutch++"`` or ``"deflated"``
+            (``kg.estimators.deflated_hutchinson``: Hutchinson until its first
+            round misses `rtol`, then a sketched subspace exactly).
         seed: probe seed (identical probes on every backend).
         batch_size: examples per streamed batch. Defaults to `256`.
         loss: loss to use instead of the compiled one. Defaults to `None`.
