@@ -587,3 +587,9 @@ def test_same_shaped_kronecker_blocks_are_multiplied_together(monkeypatch, batch
     assert ref.rel_err(ref.flatten(got), U @ ref.flatten(vecs)) < f64_tolerance()
     for g, b, p, v in zip(got, blocks, params, vecs):  # block by block, not only in total
         assert ref.rel_err(np.ravel(g), explicit_block(kind_of(b), p, b[1]) @ np.ravel(v)) < f64_tolerance()
+    # Factors over GROUP_MAX_FACTOR_ELEMENTS (3x3 + 4x4 = 25 > 24) go alone:
+    # stacking would copy them every product.
+    monkeypatch.setattr(structured, "GROUP_MAX_FACTOR_ELEMENTS", 24)
+    calls.clear()
+    alone = np_list(pc.operator(blocks, flat).matvec([t64(v) for v in vecs]))
+    assert calls == [] and ref.rel_err(ref.flatten(alone), U @ ref.flatten(vecs)) < f64_tolerance()
