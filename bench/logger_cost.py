@@ -46,11 +46,10 @@ def build(keras):
     return keras.Model(ids, out)
 
 
-def measure(repeats):
+def data_and_model(keras):
+    """The 512 training sequences (label: whether token 7 occurs) and the
+    Transformer, compiled with Adam, seeded."""
     import numpy as np
-    import keras
-
-    import keras_geosam as kg
 
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
@@ -59,6 +58,16 @@ def measure(repeats):
     model = build(keras)
     model.compile(optimizer=keras.optimizers.Adam(1e-3),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return x, y, model
+
+
+def measure(repeats):
+    import numpy as np
+    import keras
+
+    import keras_geosam as kg
+
+    x, y, model = data_and_model(keras)
     logger = kg.callbacks.SharpnessLogger(x[:N_PROBE], y[:N_PROBE], metrics=METRICS)
     sam = kg.attach(build(keras))
     sam.compile(optimizer=kg.optimizers.LLQRSAM(keras.optimizers.Adam(1e-3), rho=0.05, structure="kfac",
@@ -111,18 +120,11 @@ def deflation(seeds):
     """Hutchinson against deflated Hutchinson on the residual (module doc)."""
     import warnings
 
-    import numpy as np
     import keras
 
     import keras_geosam as kg
 
-    keras.utils.set_random_seed(0)
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, VOCAB, size=(N_TRAIN, SEQ)).astype("int32")
-    y = (x == 7).any(axis=1).astype("int32")
-    model = build(keras)
-    model.compile(optimizer=keras.optimizers.Adam(1e-3),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y, model = data_and_model(keras)
     model.fit(x, y, batch_size=BATCH, epochs=4, verbose=0)
     xs, ys = x[:N_PROBE], y[:N_PROBE]
     calls = {"riemannian_sharpness_kfac": lambda e, s: kg.sharpness.riemannian_sharpness(
