@@ -246,9 +246,8 @@ def deflated_hutchinson(op, num_probes=10, rtol=None, max_probes=200, seed=0, sh
     Hutchinson rounds of `num_probes` on fresh projected probes until
     `rtol`, the budget or the futility stop. Where a few directions carry
     most of ``||A||_F`` (the variance of a probe), they leave the probes'
-    variance. The first round's probes are not reused (its values would
-    correlate with the sketch only through `A`, but the simpler estimate
-    is kept honest): the value is the deflated one.
+    variance. The value is the deflated estimate alone: the first round's
+    values are not folded into it (``info`` keeps them).
 
     Args:
         op: any symmetric :class:`LinearOperator`.
