@@ -283,6 +283,7 @@ def deflated_hutchinson(op, num_probes=10, rtol=None, max_probes=200, seed=0, sh
     num_probes = check_int("num_probes", num_probes)
     rank = num_probes if rank is None else check_int("rank", rank)
     rtol = check_number("rtol", rtol, 0.0, strict=True, allow_none=True)
+    max_probes = check_int("max_probes", max_probes)
     budget = max_probes - num_probes - 2 * rank
     why = None
     if rtol is None:

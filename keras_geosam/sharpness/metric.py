@@ -51,7 +51,8 @@ def fisher_metric(model, x, y=None, structure="diagonal", kind="exact", num_samp
         A :class:`~keras_geosam.curvature.BlockDiagonal` operator with one
         block per trainable variable; invert it with
         ``inverse(damping, relative=True)`` (module doc). Its ``info``
-        names the Fisher computed.
+        names the Fisher computed (``metric_fisher``) and whether it was
+        built from sampled labels (``metric_sampled``).
 
     Raises:
         ValueError: if `structure` is unknown, or for the reasons
@@ -76,9 +77,10 @@ def fisher_metric(model, x, y=None, structure="diagonal", kind="exact", num_samp
     _common.require_fisher(model, loss, "fisher_metric")
     G = GGN(model, x, y, kind=kind, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size,
             sample_weight=sample_weight)
-    info = {"metric_fisher": kind}
+    info = {"metric_fisher": kind, "metric_sampled": kind == "mc"}
     if kind == "exact" and G.num_classes > max_exact_classes:
         G = G.sampled(exact_samples, G._key)
+        info["metric_sampled"] = True
         info["metric_fisher"] = (
             f"mc: {exact_samples} labels per token drawn from the model "
             f"({G.num_classes} classes > max_exact_classes={max_exact_classes})"

@@ -208,7 +208,7 @@ def riemannian_sharpness(
 
     info = {"metric": structure, "fisher": kind, "damping": damping, "damping_relative_to": "each block's mean eigenvalue"}
     info.update(M.info if hasattr(M, "info") else {})
-    info["stderr_given_metric"] = info["metric_fisher"] != "exact" and info["metric_fisher"] != "empirical"
+    info["stderr_given_metric"] = bool(info.get("metric_sampled"))
     info.update(_metric_info(M, M_inverse, damping, rcond))
     if split:
         what = f"riemannian_sharpness (structure={structure!r}, damping={damping:g})"

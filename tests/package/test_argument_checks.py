@@ -101,7 +101,7 @@ def test_renamed_keywords_one_name_each_old_names_still_work():
     assert old.value == S.riemannian_max_eigenvalue(model, x, y, structure="kfac", kind="empirical", max_iter=3).value
     with pytest.warns(DeprecationWarning, match="fisher="):
         old = S.fisher_metric(model, x, y, structure="kfac", fisher="empirical")
-    assert old.info == S.fisher_metric(model, x, y, structure="kfac", kind="empirical").info == {"metric_fisher": "empirical"}
+    assert old.info == S.fisher_metric(model, x, y, structure="kfac", kind="empirical").info == {"metric_fisher": "empirical", "metric_sampled": False}
     with pytest.warns(DeprecationWarning, match="fisher="):
         old = S.gradient_noise_alignment(model, x, y, 4, num_batches=3, fisher="empirical")
     assert old.fisher == "empirical" and old.alpha == S.gradient_noise_alignment(model, x, y, 4, num_batches=3, kind="empirical").alpha
