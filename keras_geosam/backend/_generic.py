@@ -27,6 +27,11 @@ def compile_seconds():
     return 0.0
 
 
+def for_shapes(fn, *args):
+    """``fn(*args)``: an eager forward compiles nothing (TensorFlow, torch)."""
+    return fn(*args)
+
+
 def sandwich(A, Y, B):
     """``A Y_k B^T`` for every ``Y_k`` of `Y` (k, m, n) (``Y_k B^T`` when `A`
     is None): a Kronecker product ``(A kron B) vec(Y_k)``."""

@@ -50,6 +50,9 @@ a list of backend tensors:
 - ``sum_over_replicas(model, fn, x, y, offset)``: a batch's statistic
   ``fn(x, y, offset, share)`` computed on every tf.distribute replica's
   share of the batch and summed (the whole batch elsewhere)
+- ``for_shapes(fn, *args)``: ``fn`` run for what it shows on the host
+  (output shapes, Python flags), its values unused: traced abstractly on
+  JAX (``jax.eval_shape``: no per-op compiles), run eagerly elsewhere
 - ``device_constant(value)``: a NumPy value on the device, placed
   explicitly (no implicit host transfer inside a loop on JAX)
 - ``distribute_batch(a)``: a streamed data batch as a tensor, split over the
@@ -115,6 +118,7 @@ vjp_batched = _impl.vjp_batched
 per_example_grads = _impl.per_example_grads
 eigh = _impl.eigh
 compile = _impl.compile
+for_shapes = _impl.for_shapes
 slow_convolutions_in_loops = _impl.slow_convolutions_in_loops
 batch_small_products = _impl.batch_small_products
 loop_pullbacks = _impl.loop_pullbacks
@@ -160,6 +164,7 @@ __all__ = [
     "batch_small_products",
     "loop_pullbacks",
     "max_probe_block",
+    "for_shapes",
     "eager_steps",
     "refresh_between_steps",
     "replica_count",

@@ -120,6 +120,13 @@ def compile(fn):
     return jax.jit(fn)
 
 
+def for_shapes(fn, *args):
+    """Traces ``fn(*args)`` for what it shows on the host (shapes, Python
+    flags) without running it: an eager forward would compile every op of
+    the model for its shapes, a third of a first sharpness call's compile."""
+    return jax.eval_shape(fn, *args)
+
+
 def device_constant(value):
     """A NumPy value sent to the device explicitly (a Python or NumPy
     scalar handed to a compiled function would be an implicit transfer)."""

@@ -496,6 +496,7 @@ from keras_geosam.backend._single_device import save_from_primary  # noqa: E402,
 
 # The step is compiled, so the keras.ops forms cost no per-op dispatch.
 from keras_geosam.backend._generic import one_example  # noqa: E402
+from keras_geosam.backend._generic import for_shapes  # noqa: E402,F401
 from keras_geosam.backend._generic import add_scaled as _generic_add_scaled  # noqa: E402
 from keras_geosam.backend._generic import multiply_into  # noqa: E402,F401
 from keras_geosam.backend._generic import gate_preparation  # noqa: E402,F401

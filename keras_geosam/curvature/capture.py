@@ -106,8 +106,11 @@ class Capture:
         key = tuple(tuple(t.shape) for t in keras.tree.flatten(x))
         if key not in self._call_shapes:
             state = {"records": [[] for _ in self.rules], "shapes": [[] for _ in self.rules], "probes": None, "slot": {}}
-            with self._instrumented(state):
-                self.fns.outputs(self.fns.params(), self.fns.non_trainable(), x)
+            def forward(params, nt, x):
+                with self._instrumented(state):
+                    return self.fns.outputs(params, nt, x)[0]
+
+            backend.for_shapes(forward, self.fns.params(), self.fns.non_trainable(), x)
             self._call_shapes[key] = [list(s) for s in state["shapes"]]
         return self._call_shapes[key]
 
