@@ -14,6 +14,9 @@ from keras_geosam._checks import check_number
 from keras_geosam.curvature.functional import check_data
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.losses import require_classifier
+from keras_geosam.curvature.operators.model import MAX_EXACT_CLASSES
+from keras_geosam.curvature.weights import output_shape
+from keras_geosam.sharpness.metric import samples_labels
 
 # Metrics estimated as an exact (or sampled) GGN part plus a probed
 # residual: each part is logged with its standard error too.
@@ -46,8 +49,12 @@ class SharpnessLogger(keras.callbacks.Callback):
     ``..._residual`` (``tr(M^-1 (H - GGN))``, probed). When the residual
     outweighs the GGN part or `rtol` is not reached, one warning per metric
     and ``fit`` says which and what to do (the GGN part is then the number
-    to read). On epochs it skips the keys hold NaN, so every epoch has the
-    same columns.
+    to read). Where a Riemannian measure's metric is built from sampled
+    labels (``kind="mc"`` in `options`, or a vocabulary above
+    ``max_exact_classes``) and drawn once, its stderr is given that metric
+    and ``..._stderr_given_metric`` holds 1 (ask for ``metric_draws`` in
+    `options` for a stderr that covers it). On epochs it skips the keys
+    hold NaN, so every epoch has the same columns.
 
     Which epochs it logs: by default a time budget. It logs the first epoch
     and the last one of ``fit``, and in between an epoch only if, with
@@ -73,6 +80,9 @@ class SharpnessLogger(keras.callbacks.Callback):
             take, in (0, 1) (default 0.1); None logs every epoch.
         num_probes, rtol, max_probes: Hutchinson probes per round, the
             relative standard error to reach, and the cap.
+        min_probes: the futility stop: after this many probes a measure
+            stops when `rtol` is projected beyond `max_probes`
+            (``min_probes >= max_probes`` turns it off). Defaults to `10`.
         seed: fixed seed for probes and sampled labels.
         batch_size: streaming batch size.
         prefix: prepended to every key.
@@ -85,7 +95,7 @@ class SharpnessLogger(keras.callbacks.Callback):
 
     Raises:
         ValueError: if a metric is unknown or none is given,
-            `every_n_epochs`, `num_probes` or `max_probes` is not an integer
+            `every_n_epochs`, `num_probes`, `max_probes` or `min_probes` is not an integer
             >= 1, `rtol` is not positive, `budget` is not in (0, 1),
             `options` names a metric that is not logged, or the data is
             invalid; at the start of training,
@@ -122,6 +132,7 @@ class SharpnessLogger(keras.callbacks.Callback):
         num_probes=20,
         rtol=0.05,
         max_probes=100,
+        min_probes=10,
         seed=0,
         batch_size=256,
         prefix="",
@@ -137,7 +148,7 @@ class SharpnessLogger(keras.callbacks.Callback):
             raise ValueError(f"Unknown sharpness metric(s) {unknown}; available: {sorted(_METRICS)}.")
         if not metrics:
             raise ValueError("metrics must name at least one metric.")
-        for name, value in (("num_probes", num_probes), ("max_probes", max_probes)):
+        for name, value in (("num_probes", num_probes), ("max_probes", max_probes), ("min_probes", min_probes)):
             check_int(name, value)
         if every_n_epochs is not None:
             check_int("every_n_epochs", every_n_epochs)
@@ -164,12 +175,14 @@ class SharpnessLogger(keras.callbacks.Callback):
         self.num_probes = num_probes
         self.rtol = rtol
         self.max_probes = max_probes
+        self.min_probes = min_probes
         self.seed = seed
         self.batch_size = batch_size
         self.prefix = prefix
         self.options = options
         self.verbose = verbose
         self.history = []
+        self._given_metric = set()  # metrics whose stderr is given a sampled metric (a column says so)
 
     @staticmethod
     def available():
@@ -183,6 +196,8 @@ class SharpnessLogger(keras.callbacks.Callback):
                 out.append(self.prefix + name + "_normalized")
             if name in _SPLIT:
                 out += [self.prefix + name + part for part in ("_ggn", "_ggn_stderr", "_residual", "_residual_stderr")]
+            if name in self._given_metric:
+                out.append(self.prefix + name + "_stderr_given_metric")
         return out
 
     # ---------------------------------------------------------- checks ----
@@ -211,6 +226,20 @@ class SharpnessLogger(keras.callbacks.Callback):
         fns = model_functions(self.model, None, training=False)
         if any(_METRICS[m][3] for m in self.metrics):
             require_classifier(fns.spec, "SharpnessLogger's Riemannian metrics")
+        self._given_metric = {m for m in self.metrics if self._stderr_given_metric(m, fns)}
+
+    def _stderr_given_metric(self, name, fns):
+        """Whether `name`'s stderr will be given one draw of a sampled metric
+        (known before the first log, so every epoch has its column)."""
+        fn, kwargs, _, fisher = _METRICS[name]
+        kwargs = dict(kwargs, **self.options.get(name, {}))
+        if not fisher or fn is not sharpness.riemannian_sharpness or kwargs.get("metric_draws", 1) > 1:
+            return False
+        kind = kwargs.get("kind", kwargs.get("fisher", "exact"))
+        if kwargs.get("structure", kwargs.get("metric")) == "exact":
+            return kind == "mc"  # dense: every class's column, sampled only when asked
+        classes = output_shape(fns, self.x)[-1]
+        return samples_labels(kind, classes, kwargs.get("max_exact_classes", MAX_EXACT_CLASSES))
 
     def _move_to_front(self):
         """Moves this callback to the front of the running CallbackList."""
@@ -237,7 +266,8 @@ class SharpnessLogger(keras.callbacks.Callback):
             fn, kwargs, probed, _ = _METRICS[name]
             kwargs = dict(kwargs, seed=self.seed, batch_size=self.batch_size)
             if probed:
-                kwargs.update(num_probes=self.num_probes, rtol=self.rtol, max_probes=self.max_probes)
+                kwargs.update(num_probes=self.num_probes, rtol=self.rtol, max_probes=self.max_probes,
+                              min_probes=self.min_probes)
             kwargs.update(self.options.get(name, {}))
             if self.sample_weight is not None:
                 kwargs.setdefault("sample_weight", self.sample_weight)
@@ -248,6 +278,10 @@ class SharpnessLogger(keras.callbacks.Callback):
             self._forward(name, caught)
             out[self.prefix + name] = float(est.value)
             out[self.prefix + name + "_stderr"] = float(est.stderr)
+            if name in self._given_metric:
+                # One draw of a sampled metric: the stderr leaves out the
+                # metric's own sampling (riemannian_sharpness, metric_draws).
+                out[self.prefix + name + "_stderr_given_metric"] = float(bool(est.info.get("stderr_given_metric")))
             if "normalized" in est.info:
                 out[self.prefix + name + "_normalized"] = float(est.info["normalized"])
             elif name.startswith("riemannian_sharpness"):

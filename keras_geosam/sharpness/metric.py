@@ -25,6 +25,13 @@ from keras_geosam.sharpness import _common
 STRUCTURES = ("diagonal", "kfac")
 
 
+def samples_labels(kind, num_classes, max_exact_classes=MAX_EXACT_CLASSES):
+    """Whether a metric of Fisher `kind` over `num_classes` output classes is
+    built from sampled labels: ``"mc"`` always, ``"exact"`` above
+    `max_exact_classes` classes (a language model's vocabulary)."""
+    return kind == "mc" or (kind == "exact" and num_classes > max_exact_classes)
+
+
 @renamed_arguments(fisher="kind")
 def fisher_metric(model, x, y=None, structure="diagonal", kind="exact", num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE,
                   loss=None, sample_weight=None, max_exact_classes=MAX_EXACT_CLASSES, exact_samples=8):
@@ -77,10 +84,9 @@ def fisher_metric(model, x, y=None, structure="diagonal", kind="exact", num_samp
     _common.require_fisher(model, loss, "fisher_metric")
     G = GGN(model, x, y, kind=kind, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size,
             sample_weight=sample_weight)
-    info = {"metric_fisher": kind, "metric_sampled": kind == "mc"}
-    if kind == "exact" and G.num_classes > max_exact_classes:
+    info = {"metric_fisher": kind, "metric_sampled": samples_labels(kind, G.num_classes, max_exact_classes)}
+    if kind == "exact" and info["metric_sampled"]:
         G = G.sampled(exact_samples, G._key)
-        info["metric_sampled"] = True
         info["metric_fisher"] = (
             f"mc: {exact_samples} labels per token drawn from the model "
             f"({G.num_classes} classes > max_exact_classes={max_exact_classes})"

@@ -92,7 +92,7 @@ def riemannian_sharpness(
     model, x, y, structure="diagonal", kind="exact", damping=None, num_probes=20, rtol=0.05, max_probes=100,
     num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, split=True, estimator="hutchinson",
     max_params=4000, rcond=None, loss=None, verbose=0, sample_weight=None, max_exact_classes=MAX_EXACT_CLASSES,
-    exact_samples=8, metric_draws=1,
+    exact_samples=8, metric_draws=1, min_probes=10,
 ):
     """Riemannian sharpness ``S_R = tr(M^-1 H)`` at the model's weights.
 
@@ -111,6 +111,10 @@ def riemannian_sharpness(
         num_probes, rtol, max_probes: probes for the residual (first round;
             more until ``stderr <= rtol * |S_R|`` or `max_probes`). None of
             them are drawn when the residual is exactly zero.
+        min_probes: the futility stop: after this many probes, stop when
+            `rtol` is projected to need more than `max_probes`
+            (``info["futility"]``); ``min_probes >= max_probes`` turns
+            it off. Defaults to `10`.
         num_samples: labels per example for ``kind="mc"``.
         seed: seeds label draws and probes (the same on every backend).
         split: exact GGN part plus residual (default) or probes on all of H.
@@ -157,7 +161,7 @@ def riemannian_sharpness(
 
     Raises:
         ValueError: if `structure`, `kind` or `estimator` is unknown, `num_probes`,
-            `max_probes` or `metric_draws` is not an integer >= 1, `rtol` is not positive,
+            `max_probes`, `min_probes` or `metric_draws` is not an integer >= 1, `rtol` is not positive,
             `damping` is negative, the loss is not a categorical
             cross-entropy, ``structure="exact"`` exceeds `max_params`, the
             model is not built, or the data is invalid (lengths differ,
@@ -183,6 +187,7 @@ def riemannian_sharpness(
     num_probes = check_int("num_probes", num_probes)
     check_number("rtol", rtol, 0.0, strict=True, allow_none=True)
     check_int("max_probes", max_probes)
+    min_probes = check_int("min_probes", min_probes)
     check_estimator(estimator)
     check_number("damping", damping, 0.0, allow_none=True)
     metric_draws = check_int("metric_draws", metric_draws)
@@ -190,7 +195,8 @@ def riemannian_sharpness(
         return _over_draws(
             lambda s: riemannian_sharpness(
                 model, x, y, structure, kind, damping, num_probes, rtol, max_probes, num_samples, s, batch_size, split,
-                estimator, max_params, rcond, loss, verbose, sample_weight, max_exact_classes, exact_samples),
+                estimator, max_params, rcond, loss, verbose, sample_weight, max_exact_classes, exact_samples,
+                min_probes=min_probes),
             seed, metric_draws)
     fns = model_functions(model, loss, training=False)
     require_classifier(fns.spec, "riemannian_sharpness")
@@ -213,11 +219,11 @@ def riemannian_sharpness(
     if split:
         what = f"riemannian_sharpness (structure={structure!r}, damping={damping:g})"
         est = split_trace(model, x, y, M_inverse, M_inverse_sqrt, num_probes, rtol, max_probes, estimator, seed, batch_size, loss, verbose,
-                          sample_weight, max_exact_classes, exact_samples, what)
+                          sample_weight, max_exact_classes, exact_samples, what, min_probes)
     else:
         S = M_inverse_sqrt()
         op = S @ Hessian(model, x, y, loss=loss, batch_size=batch_size, sample_weight=sample_weight) @ S
-        est = stochastic_trace(op, estimator, num_probes, rtol, max_probes, seed, 0.0, fns.paths, verbose)
+        est = stochastic_trace(op, estimator, num_probes, rtol, max_probes, seed, 0.0, fns.paths, verbose, min_probes)
         est.info.update(_common.data_info(x, batch_size), split=False)
     est.info.update(info)
     est.info["inverse"] = "pseudo-inverse (zero-Fisher directions excluded)" if damping == 0 else "damped inverse"

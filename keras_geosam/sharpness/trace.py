@@ -47,22 +47,24 @@ def check_estimator(estimator):
         raise ValueError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}.")
 
 
-def stochastic_trace(op, estimator, num_probes, rtol, max_probes, seed, shift, paths, verbose):
+def stochastic_trace(op, estimator, num_probes, rtol, max_probes, seed, shift, paths, verbose, min_probes=10):
     """Trace of `op` by the chosen estimator (Hutch++ uses ``3 * num_probes``
     products and no rtol; ``"deflated"`` is Hutchinson until its first round
     misses `rtol`, then a sketched subspace exactly and the rest by probes,
-    within `max_probes` products)."""
+    within `max_probes` products; both stop early, after `min_probes`, when
+    `rtol` is projected beyond `max_probes`)."""
     if estimator == "hutch++":
         return hutchpp(op, num_matvecs=3 * max(num_probes, 2), seed=seed, shift=shift, paths=paths)
     bar = progbar(max_probes if rtol is not None else num_probes, verbose, "probe")
     if estimator == "deflated":
-        return deflated_hutchinson(op, num_probes, rtol, max_probes, seed, shift=shift, paths=paths, bar=bar)
-    return hutchinson(op, num_probes, rtol, max_probes, seed, shift=shift, paths=paths, bar=bar)
+        return deflated_hutchinson(op, num_probes, rtol, max_probes, seed, shift=shift, paths=paths, bar=bar,
+                                   min_probes=min_probes)
+    return hutchinson(op, num_probes, rtol, max_probes, seed, shift=shift, paths=paths, bar=bar, min_probes=min_probes)
 
 
 def split_trace(model, x, y, inverse=None, inverse_sqrt=None, num_probes=20, rtol=0.05, max_probes=100,
                 estimator="hutchinson", seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None, verbose=0,
-                sample_weight=None, max_exact_classes=MAX_EXACT_CLASSES, exact_samples=8, what="tr H"):
+                sample_weight=None, max_exact_classes=MAX_EXACT_CLASSES, exact_samples=8, what="tr H", min_probes=10):
     """``tr(M^-1 H) = tr(M^-1 GGN)`` (exact) ``+ tr(M^-1 (H - GGN))`` (probes).
 
     `inverse` is ``M^-1`` (None: the identity, giving ``tr H``) and
@@ -100,7 +102,7 @@ def split_trace(model, x, y, inverse=None, inverse_sqrt=None, num_probes=20, rto
     with warnings.catch_warnings():
         # An unmet rtol is reported below, with the parts that explain it.
         warnings.filterwarnings("ignore", message="Hutchinson: relative standard error", category=RuntimeWarning)
-        est = stochastic_trace(op, estimator, num_probes, rtol, max_probes, seed, exact, fns.paths, verbose)
+        est = stochastic_trace(op, estimator, num_probes, rtol, max_probes, seed, exact, fns.paths, verbose, min_probes)
     info.update(est.info)
     residual, residual_se = est.value - exact, est.stderr
     stderr = float(np.hypot(residual_se, exact_se))
@@ -162,7 +164,7 @@ def residual_diagnosis(est, what, rtol, max_probes):
 
 def hessian_trace(model, x, y, num_probes=20, rtol=0.05, max_probes=100, split=None, estimator="hutchinson",
                   seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None, verbose=0, sample_weight=None,
-                  max_exact_classes=MAX_EXACT_CLASSES, exact_samples=8):
+                  max_exact_classes=MAX_EXACT_CLASSES, exact_samples=8, min_probes=10):
     """Trace of the Hessian of the mean loss.
 
     With ``split`` (default for classifiers): ``tr GGN`` exactly plus the
@@ -176,6 +178,10 @@ def hessian_trace(model, x, y, num_probes=20, rtol=0.05, max_probes=100, split=N
         rtol: keep drawing rounds of probes until ``stderr <= rtol * |value|``
             or `max_probes` (a RuntimeWarning if not reached).
         max_probes: the cap on probes when `rtol` is set. Defaults to `100`.
+        min_probes: the futility stop (``kg.estimators.hutchinson``): after
+            this many probes, stop when `rtol` is projected to need more
+            than `max_probes` (``info["futility"]``); ``min_probes >=
+            max_probes`` turns it off. Defaults to `10`.
         split: see above; True needs a cross-entropy classifier. Defaults
             to `None` (True for classifiers).
         estimator: ``"hutchinson"``, ``"hutch++"`` or ``"deflated"``
@@ -202,8 +208,8 @@ def hessian_trace(model, x, y, num_probes=20, rtol=0.05, max_probes=100, split=N
         ``info["residual"]`` / ``info["residual_stderr"]``.
 
     Raises:
-        ValueError: if `num_probes` or `max_probes` is not an integer >= 1,
-            `rtol` is not positive, `estimator` is unknown, ``split=True``
+        ValueError: if `num_probes`, `max_probes` or `min_probes` is not an
+            integer >= 1, `rtol` is not positive, `estimator` is unknown, ``split=True``
             meets a loss that is not a cross-entropy, the model is not
             built, or the data is invalid (not arrays, lengths or sequence
             lengths differ, non-finite inputs, labels that are not class ids
@@ -225,6 +231,7 @@ def hessian_trace(model, x, y, num_probes=20, rtol=0.05, max_probes=100, split=N
     num_probes = check_int("num_probes", num_probes)
     check_number("rtol", rtol, 0.0, strict=True, allow_none=True)
     check_int("max_probes", max_probes)
+    min_probes = check_int("min_probes", min_probes)
     check_estimator(estimator)
     fns = _common.check_inputs(model, x, y, loss, sample_weight)
     if split is None:
@@ -232,8 +239,8 @@ def hessian_trace(model, x, y, num_probes=20, rtol=0.05, max_probes=100, split=N
     _common.warn_if_tiny(x)
     if split:
         return split_trace(model, x, y, None, None, num_probes, rtol, max_probes, estimator, seed, batch_size, loss, verbose,
-                           sample_weight, max_exact_classes, exact_samples, "tr H")
+                           sample_weight, max_exact_classes, exact_samples, "tr H", min_probes)
     op = Hessian(model, x, y, loss=loss, batch_size=batch_size, sample_weight=sample_weight)
-    est = stochastic_trace(op, estimator, num_probes, rtol, max_probes, seed, 0.0, fns.paths, verbose)
+    est = stochastic_trace(op, estimator, num_probes, rtol, max_probes, seed, 0.0, fns.paths, verbose, min_probes)
     est.info.update(_common.data_info(x, batch_size), split=False)
     return est
