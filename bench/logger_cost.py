@@ -13,6 +13,15 @@ one training epoch with each optimizer, one logger call, their ratios, and
 each metric's time and probe count. Run:
 ``python bench/logger_cost.py [--backends jax,torch]``.
 
+``--goals`` checks the logger's two goals: the default logger (budget
+0.1) in an Adam fit of 8192 sequences whose epoch count makes it take at
+least ``--fit-seconds`` (150) without the logger, against the same fit
+without it (its share, and which epochs it logged); and a warm log against
+its probes' floor: each measure's probe count times the time of one probe's
+product alone (H for tr H; ``M^-1/2 (H - GGN) M^-1/2`` for K-FAC S_R),
+with the parts a log pays once (the K-FAC metric, the exact GGN part)
+timed apart.
+
 ``--deflation`` compares the probed residual's estimators instead, on the
 same model after the same training (4 Adam epochs): K-FAC S_R and tr H
 with ``estimator="hutchinson"`` and ``"deflated"`` (rtol 0.05, at most 100
@@ -32,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 VOCAB, SEQ, D, HEADS, FF = 96, 16, 32, 2, 64
 N_TRAIN, N_PROBE, BATCH = 512, 64, 32
+N_FIT = 8192  # --goals: a fit long enough to be worth logging (>= 2 min at its epoch count)
 METRICS = ("riemannian_sharpness_kfac", "hessian_trace")
 
 
@@ -148,6 +158,108 @@ def deflation(seeds):
     return {"backend": keras.backend.backend(), "params": int(model.count_params()), "rows": rows}
 
 
+def goals(seconds):
+    """The issue's goals (module doc, ``--goals``): the default logger's
+    share of an Adam fit of at least `seconds`, and a warm log against its
+    probes' product kernels."""
+    import math
+    import warnings
+
+    import numpy as np
+    import keras
+
+    import keras_geosam as kg
+
+    rng = np.random.default_rng(1)
+    x_fit = rng.integers(0, VOCAB, size=(N_FIT, SEQ)).astype("int32")
+    y_fit = (x_fit == 7).any(axis=1).astype("int32")
+    xs, ys = x_fit[:N_PROBE], y_fit[:N_PROBE]
+
+    def fit(epochs, callbacks):
+        _, _, model = data_and_model(keras)  # the same seeded model each time
+        t0 = time.perf_counter()
+        model.fit(x_fit, y_fit, batch_size=BATCH, epochs=epochs, verbose=0, callbacks=callbacks)
+        return time.perf_counter() - t0, model
+
+    _, model = fit(1, [])
+    t0 = time.perf_counter()
+    model.fit(x_fit, y_fit, batch_size=BATCH, epochs=1, verbose=0)
+    epoch = time.perf_counter() - t0
+    epochs = max(3, math.ceil(seconds / epoch))
+    plain, _ = fit(epochs, [])
+    logger = kg.callbacks.SharpnessLogger(xs, ys, metrics=METRICS)  # the defaults: budget 0.1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logged, model = fit(epochs, [logger])
+    logged_epochs = [e for e, _ in logger.history]
+
+    # A warm log against its kernels: each probe is one product of its
+    # operator (H for tr H; H - GGN, sandwiched by M^-1/2, for S_R's residual).
+    def timed(fn, repeats=3):
+        fn()
+        out = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return float(np.median(out))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        log_s = timed(logger.compute)
+        sr = kg.sharpness.riemannian_sharpness(model, xs, ys, structure="kfac")
+        tr = kg.sharpness.hessian_trace(model, xs, ys)
+        block = 20
+
+        def probes(k):
+            return [np.sign(rng.normal(size=(k,) + tuple(v.shape))).astype(v.dtype) for v in model.trainable_variables]
+
+        V = probes(block)
+        H = kg.curvature.Hessian(model, xs, ys)
+        M = kg.sharpness.fisher_metric(model, xs, ys, structure="kfac")
+        S = M.inverse_sqrt(1e-3, relative=True)
+        R = S @ kg.curvature.GGNResidual(model, xs, ys) @ S
+        per_probe = {"hessian_trace": timed(lambda: H.matmat(V)) / block,
+                     "riemannian_sharpness_kfac": timed(lambda: R.matmat(V)) / block}
+        fixed = {"riemannian_sharpness_kfac": timed(lambda: kg.sharpness.riemannian_sharpness(
+                     model, xs, ys, structure="kfac", num_probes=1, rtol=None)) - per_probe["riemannian_sharpness_kfac"],
+                 "hessian_trace": timed(lambda: kg.sharpness.hessian_trace(
+                     model, xs, ys, num_probes=1, rtol=None)) - per_probe["hessian_trace"]}
+    samples = {"riemannian_sharpness_kfac": int(sr.num_samples), "hessian_trace": int(tr.num_samples)}
+    floor = sum(samples[k] * per_probe[k] for k in METRICS)
+    return {
+        "backend": keras.backend.backend(), "params": int(model.count_params()), "fit_examples": N_FIT,
+        "epochs": epochs, "epoch_s": epoch, "fit_s": plain, "fit_with_logger_s": logged,
+        "overhead": logged / plain - 1.0, "logger_spent_s": logger._spent, "logged_epochs": logged_epochs,
+        "warm_log_s": log_s, "probes": samples, "per_probe_s": per_probe, "fixed_s": fixed, "probe_floor_s": floor,
+        "log_over_floor": log_s / floor, "log_over_floor_and_fixed": log_s / (floor + sum(fixed.values())),
+    }
+
+
+def print_goals(results, seconds):
+    print(f"Default SharpnessLogger (budget 0.1; {', '.join(METRICS)} on {N_PROBE} sequences) in an Adam fit of "
+          f"{N_FIT} sequences (batch {BATCH}) sized to take >= {seconds:.0f} s without it; a warm log against its "
+          "probes' products (each probe one product of its operator, timed alone over a block of 20).")
+    print("| backend | epochs | fit s: plain, with logger | overhead | logged epochs | warm log s | probes (S_R, tr H) "
+          "| probes' floor s | fixed parts s (S_R, tr H) | log / floor | log / (floor + fixed) |")
+    print("|---|---:|---|---:|---|---:|---|---:|---|---:|---:|")
+    for r in results:
+        e = r["logged_epochs"]
+        shown = ", ".join(str(i) for i in e) if len(e) <= 6 else f"{e[0]}, {e[1]}, ... {e[-1]} ({len(e)})"
+        p, f = r["probes"], r["fixed_s"]
+        print(f"| {r['backend']} | {r['epochs']} | {r['fit_s']:.0f}, {r['fit_with_logger_s']:.0f} | "
+              f"{100 * r['overhead']:.1f}% | {shown} | {r['warm_log_s']:.2f} | "
+              f"{p['riemannian_sharpness_kfac']}, {p['hessian_trace']} | {r['probe_floor_s']:.2f} | "
+              f"{f['riemannian_sharpness_kfac']:.2f}, {f['hessian_trace']:.2f} | {r['log_over_floor']:.2f} | "
+              f"{r['log_over_floor_and_fixed']:.2f} |")
+    for r in results:
+        last = r["epochs"] - 1
+        print(f"- {r['backend']}: adds <= 10% to a >= 2 min fit, first and last epochs logged: "
+              f"{'met' if r['overhead'] <= 0.10 and r['fit_s'] >= 120 and r['logged_epochs'][:1] == [0] and r['logged_epochs'][-1:] == [last] else 'not met'}"
+              f" ({100 * r['overhead']:.1f}%); warm log <= 1.2x its probes' floor: "
+              f"{'met' if r['log_over_floor'] <= 1.2 else 'not met'} ({r['log_over_floor']:.2f}x)")
+
+
 def print_deflation(results):
     print("| backend | metric | estimator | value ± stderr per seed | median relative stderr | products | "
           "deflated: first round's stderr -> rest's |")
@@ -170,18 +282,27 @@ def main():
     ap.add_argument("--backends", default="jax,tensorflow,torch")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--deflation", action="store_true", help="Hutchinson against deflated Hutchinson on the residual")
+    ap.add_argument("--goals", action="store_true",
+                    help="the default logger's share of a >= --fit-seconds Adam fit, and a warm log against its probes")
+    ap.add_argument("--fit-seconds", type=float, default=150.0)
     ap.add_argument("--json", help=argparse.SUPPRESS)  # set by the per-backend parent
     args = ap.parse_args()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(deflation(args.repeats) if args.deflation else measure(args.repeats), f)
+            if args.goals:
+                json.dump(goals(args.fit_seconds), f)
+            else:
+                json.dump(deflation(args.repeats) if args.deflation else measure(args.repeats), f)
         return
     from _backends import run_each_backend
 
     extra = ["--deflation"] if args.deflation else []
+    extra += ["--goals", "--fit-seconds", str(args.fit_seconds)] if args.goals else []
     results, failed = run_each_backend(__file__, ["--repeats", str(args.repeats)] + extra, args.backends.split(","))
-    if args.deflation:
-        print_deflation(results)
+    if args.deflation or args.goals:
+        (print_deflation(results) if args.deflation else print_goals(results, args.fit_seconds))
+        if failed:
+            print(f"failed: {', '.join(failed)}")
         sys.exit(1 if failed else 0)
     print(f"SharpnessLogger ({', '.join(METRICS)}) on {N_PROBE} sequences vs one epoch of "
           f"{N_TRAIN} sequences (batch {BATCH}), warm; medians of {args.repeats}.")
