@@ -80,16 +80,18 @@ def _rademacher_body(k, start, *, count, shapes, dtype):
     # the probe, instead of several passes over count x dim elements.
     table = ops.convert_to_tensor(np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, -1.0, 1.0), dtype=dtype)
     sizes = [int(np.prod(shape, dtype=np.int64)) for shape in shapes]
-    words = (sum(sizes) + 31) // 32
-    # The whole flat vector's words at once: one hash and one gather in the
-    # kernel, not one per tensor (a Transformer's ~20 tensors made its
-    # compile 20 subgraphs long).
-    h = bits(k, rows, ops.arange(0, words, dtype="int32"))  # (count, words)
-    octets = ops.stack([ops.bitwise_and(ops.right_shift(h, 8 * i), _const(255)) for i in range(4)], axis=-1)
-    signs = ops.reshape(ops.take(table, octets, axis=0), (count, 32 * words))  # bit 8 i + j of each word
+    # The whole flat vector's words hashed at once (one hash in the kernel,
+    # not one per tensor: a Transformer's ~20 tensors made its compile 20
+    # hashes long); each tensor then reads its own words.
+    h_all = bits(k, rows, ops.arange(0, (sum(sizes) + 31) // 32, dtype="int32"))  # (count, words)
     out, offset = [], 0
     for shape, size in zip(shapes, sizes):
-        out.append(ops.reshape(signs[:, offset:offset + size], (count,) + tuple(shape)))
+        w0, w1 = offset // 32, (offset + size - 1) // 32 + 1
+        h = h_all[:, w0:w1]
+        octets = ops.stack([ops.bitwise_and(ops.right_shift(h, 8 * i), _const(255)) for i in range(4)], axis=-1)
+        signs = ops.take(table, octets, axis=0)  # (count, words, 4, 8): bit 8 i + j of each word
+        signs = ops.reshape(signs, (count, 32 * (w1 - w0)))[:, offset - 32 * w0 : offset - 32 * w0 + size]
+        out.append(ops.reshape(signs, (count,) + tuple(shape)))
         offset += size
     return out
 
