@@ -182,7 +182,7 @@ class SharpnessLogger(keras.callbacks.Callback):
         self.options = options
         self.verbose = verbose
         self.history = []
-        self._given_metric = set()  # metrics whose stderr is given a sampled metric (a column says so)
+        self._given_metric = None  # metrics whose stderr is given a sampled metric (a column says so)
 
     @staticmethod
     def available():
@@ -196,7 +196,7 @@ class SharpnessLogger(keras.callbacks.Callback):
                 out.append(self.prefix + name + "_normalized")
             if name in _SPLIT:
                 out += [self.prefix + name + part for part in ("_ggn", "_ggn_stderr", "_residual", "_residual_stderr")]
-            if name in self._given_metric:
+            if name in (self._given_metric or ()):
                 out.append(self.prefix + name + "_stderr_given_metric")
         return out
 
@@ -226,7 +226,10 @@ class SharpnessLogger(keras.callbacks.Callback):
         fns = model_functions(self.model, None, training=False)
         if any(_METRICS[m][3] for m in self.metrics):
             require_classifier(fns.spec, "SharpnessLogger's Riemannian metrics")
-        self._given_metric = {m for m in self.metrics if self._stderr_given_metric(m, fns)}
+        self._given_metric = self._stderr_given_metrics(fns)
+
+    def _stderr_given_metrics(self, fns):
+        return {m for m in self.metrics if self._stderr_given_metric(m, fns)}
 
     def _stderr_given_metric(self, name, fns):
         """Whether `name`'s stderr will be given one draw of a sampled metric
@@ -261,6 +264,8 @@ class SharpnessLogger(keras.callbacks.Callback):
     def compute(self):
         """Evaluates every metric now; returns ``{key: float}``."""
         model = self.model
+        if self._given_metric is None:  # called outside fit
+            self._given_metric = self._stderr_given_metrics(model_functions(model, None, training=False))
         out = {}
         for name in self.metrics:
             fn, kwargs, probed, _ = _METRICS[name]

@@ -87,3 +87,10 @@ def test_the_flag_column_follows_the_measure_s_own_flag():
     assert h["riemannian_sharpness_stderr_given_metric"] == [1.0]
     assert h["riemannian_sharpness_exact_stderr_given_metric"] == [1.0]
     assert "riemannian_sharpness_kfac_stderr_given_metric" not in h  # two draws: the spread covers the metric
+    # called by hand, outside fit: the same columns
+    alone = kg.callbacks.SharpnessLogger(x, y, metrics="riemannian_sharpness", num_probes=4, rtol=None, seed=3,
+                                         options={"riemannian_sharpness": {"kind": "mc"}})
+    alone.set_model(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert alone.compute()["riemannian_sharpness_stderr_given_metric"] == 1.0
