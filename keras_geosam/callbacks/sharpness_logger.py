@@ -16,7 +16,7 @@ from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.losses import require_classifier
 from keras_geosam.curvature.operators.model import MAX_EXACT_CLASSES
 from keras_geosam.curvature.weights import output_shape
-from keras_geosam.sharpness.metric import samples_labels
+from keras_geosam.sharpness.riemannian import stderr_given_metric
 
 # Metrics estimated as an exact (or sampled) GGN part plus a probed
 # residual: each part is logged with its standard error too.
@@ -234,15 +234,14 @@ class SharpnessLogger(keras.callbacks.Callback):
     def _stderr_given_metric(self, name, fns):
         """Whether `name`'s stderr will be given one draw of a sampled metric
         (known before the first log, so every epoch has its column)."""
-        fn, kwargs, _, fisher = _METRICS[name]
-        kwargs = dict(kwargs, **self.options.get(name, {}))
-        if not fisher or fn is not sharpness.riemannian_sharpness or kwargs.get("metric_draws", 1) > 1:
+        fn, kwargs, _, _ = _METRICS[name]
+        if fn is not sharpness.riemannian_sharpness:
             return False
-        kind = kwargs.get("kind", kwargs.get("fisher", "exact"))
-        if kwargs.get("structure", kwargs.get("metric")) == "exact":
-            return kind == "mc"  # dense: every class's column, sampled only when asked
-        classes = output_shape(fns, self.x)[-1]
-        return samples_labels(kind, classes, kwargs.get("max_exact_classes", MAX_EXACT_CLASSES))
+        kwargs = dict(kwargs, **self.options.get(name, {}))
+        return stderr_given_metric(
+            kwargs.get("structure", kwargs.get("metric")), kwargs.get("kind", kwargs.get("fisher", "exact")),
+            output_shape(fns, self.x)[-1], kwargs.get("max_exact_classes", MAX_EXACT_CLASSES),
+            kwargs.get("metric_draws", 1))
 
     def _move_to_front(self):
         """Moves this callback to the front of the running CallbackList."""

@@ -102,7 +102,8 @@ class Capture:
 
     def call_shapes(self, x):
         """Pre-activation shape of every call of every covered layer for a
-        batch shaped like `x` (found once per shape by a plain forward)."""
+        batch shaped like `x` (found once per shape by a forward traced for
+        its shapes only, ``backend.for_shapes``)."""
         key = tuple(tuple(t.shape) for t in keras.tree.flatten(x))
         if key not in self._call_shapes:
             state = {"records": [[] for _ in self.rules], "shapes": [[] for _ in self.rules], "probes": None, "slot": {}}

@@ -42,7 +42,8 @@ from keras_geosam.curvature.data import rows_of
 def first_example(fns, x):
     """``(output shape without the example axis, emits a mask, has
     regularisation losses)`` of the model on `x`: one forward on its first
-    example, once per input shape."""
+    example, once per input shape, traced for its shapes only
+    (``backend.for_shapes``)."""
     key = _input_key(x)
     cache = fns.__dict__.setdefault("_output_shapes", {})
     if key not in cache:

@@ -42,6 +42,7 @@ from keras_geosam.estimators import Estimate
 from keras_geosam.sharpness import _common
 from keras_geosam.sharpness.linearity import is_piecewise_linear
 from keras_geosam.sharpness.metric import fisher_metric
+from keras_geosam.sharpness.metric import samples_labels
 from keras_geosam.sharpness.trace import check_estimator
 from keras_geosam.sharpness.trace import split_trace
 from keras_geosam.sharpness.trace import stochastic_trace
@@ -50,6 +51,19 @@ METRICS = ("diagonal", "kfac", "exact")
 # Relative damping by default: a thousandth of each block's mean Fisher
 # eigenvalue bounds M^-1 where the Fisher is tiny but not zero.
 DEFAULT_DAMPING = 1e-3
+
+
+def stderr_given_metric(structure, kind, num_classes, max_exact_classes=MAX_EXACT_CLASSES, metric_draws=1):
+    """Whether :func:`riemannian_sharpness`'s stderr is given one draw of a
+    metric built from sampled labels (``info["stderr_given_metric"]``),
+    decided from its arguments and the model's class count alone: the
+    dense metric samples only for ``kind="mc"``; the others also above
+    `max_exact_classes` (``samples_labels``); two or more draws cover it."""
+    if metric_draws > 1:
+        return False
+    if structure == "exact":
+        return kind == "mc"
+    return samples_labels(kind, num_classes, max_exact_classes)
 
 
 def _count(condition):

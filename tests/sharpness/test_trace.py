@@ -94,3 +94,19 @@ def test_the_flag_column_follows_the_measure_s_own_flag():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert alone.compute()["riemannian_sharpness_stderr_given_metric"] == 1.0
+
+
+@pytest.mark.parametrize("structure,kind,max_exact_classes,draws", [
+    ("diagonal", "exact", 64, 1), ("diagonal", "exact", 2, 1), ("kfac", "mc", 64, 1), ("kfac", "mc", 64, 2),
+    ("exact", "mc", 64, 1), ("exact", "exact", 2, 1), ("diagonal", "empirical", 2, 1)])
+def test_the_flag_is_predicted_from_the_arguments(structure, kind, max_exact_classes, draws):
+    """The logger decides its column before the first log from the
+    arguments alone; the estimate's own flag must agree."""
+    from keras_geosam.sharpness.riemannian import stderr_given_metric
+
+    model, x, y = _tanh_net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = kg.sharpness.riemannian_sharpness(model, x, y, structure=structure, kind=kind, num_probes=4, rtol=None,
+                                                max_exact_classes=max_exact_classes, metric_draws=draws, seed=3)
+    assert stderr_given_metric(structure, kind, 3, max_exact_classes, draws) == est.info["stderr_given_metric"]
