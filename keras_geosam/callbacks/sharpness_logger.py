@@ -13,7 +13,7 @@ from keras_geosam._checks import check_int
 from keras_geosam._checks import check_number
 from keras_geosam.curvature.functional import check_data
 from keras_geosam.curvature.functional import model_functions
-from keras_geosam.curvature.losses import require_classifier
+from keras_geosam.curvature.losses import require_likelihood
 from keras_geosam.curvature.operators.model import MAX_EXACT_CLASSES
 from keras_geosam.curvature.weights import output_shape
 from keras_geosam.sharpness.riemannian import stderr_given_metric
@@ -22,7 +22,7 @@ from keras_geosam.sharpness.riemannian import stderr_given_metric
 # residual: each part is logged with its standard error too.
 _SPLIT = ("hessian_trace", "riemannian_sharpness", "riemannian_sharpness_kfac")
 
-# name -> (function, fixed keyword arguments, takes probes, needs a classifier)
+# name -> (function, fixed keyword arguments, takes probes, needs a likelihood)
 _METRICS = {
     "hessian_trace": (sharpness.hessian_trace, {}, True, False),
     "lambda_max": (sharpness.hessian_max_eigenvalue, {}, False, False),
@@ -99,8 +99,8 @@ class SharpnessLogger(keras.callbacks.Callback):
             >= 1, `rtol` is not positive, `budget` is not in (0, 1),
             `options` names a metric that is not logged, or the data is
             invalid; at the start of training,
-            if a Riemannian metric meets a loss that is not a categorical
-            cross-entropy.
+            if a Riemannian metric meets a loss without a likelihood
+            (``kg.curvature.resolve_loss``).
 
     Example:
 
@@ -225,7 +225,7 @@ class SharpnessLogger(keras.callbacks.Callback):
         # cost an epoch of training to find out.
         fns = model_functions(self.model, None, training=False)
         if any(_METRICS[m][3] for m in self.metrics):
-            require_classifier(fns.spec, "SharpnessLogger's Riemannian metrics")
+            require_likelihood(fns.spec, "SharpnessLogger's Riemannian metrics")
         self._given_metric = self._stderr_given_metrics(fns)
 
     def _stderr_given_metrics(self, fns):

@@ -17,9 +17,10 @@ from keras_geosam._checks import check_rematerialisation
 from keras_geosam.curvature.kernels import KernelCache
 from keras_geosam import backend
 from keras_geosam.curvature import probes as _probes
+from keras_geosam.curvature import likelihoods as _likelihoods
 from keras_geosam.curvature.layers import takes_training
 from keras_geosam.curvature.losses import require_classifier
-from keras_geosam.curvature.losses import require_gauss_newton
+from keras_geosam.curvature.losses import require_likelihood
 from keras_geosam.curvature.losses import resolve_loss
 from keras_geosam.curvature.data import input_arrays
 from keras_geosam.curvature.data import num_examples
@@ -151,9 +152,9 @@ class ModelFunctions:
         return -mean(picked)
 
     def logits(self, params, nt, x):
-        """Logits of the predictive distribution, or a squared error's
-        outputs (see ``LossSpec.logits``)."""
-        require_gauss_newton(self.spec, "This quantity")
+        """The outputs the Gauss-Newton matrix linearises: logits of a
+        cross-entropy, a squared error's outputs (``LossSpec.logits``)."""
+        require_likelihood(self.spec, "This quantity")
         return self.spec.logits(self.outputs(params, nt, x)[0])
 
     def output_gradient(self, z, y):
@@ -192,12 +193,16 @@ class ModelFunctions:
         c_jn c_jn^T`` equal to each example's Hessian of its loss in the
         outputs (kind ``"exact"``) or an estimate of it:
 
-        - ``"exact"``: ``diag p_n - p_n p_n^T`` (the GGN = exact Fisher of
-          softmax cross-entropy), ``c_jn = sqrt(p_nj) (e_j - p_n)``, k = C;
-          for the mean squared error ``2/C I``, ``c_j = sqrt(2/C) e_j``;
-        - ``"mc"``: ``1/S sum_s (e_s - p_n)(e_s - p_n)^T`` for S labels drawn
-          from ``p_n`` on the device (hash of `key`, example ``offset + n``
-          and draw s, so every backend draws the same labels);
+        - ``"exact"``: the likelihood's ``Q`` (the GGN = exact Fisher;
+          ``likelihoods.py``), k = C: ``c_jn = sqrt(p_nj) (e_j - p_n)`` for
+          ``diag p - p p^T`` (softmax cross-entropy), ``sqrt(2/C) e_j`` for
+          the mean squared error, ``sqrt(p_j (1 - p_j) / C) e_j`` for a
+          binary cross-entropy;
+        - ``"mc"``: ``1/S sum_s c_s c_s^T`` for S targets drawn from the
+          model on the device (``e_s - p_n`` for a label s drawn from
+          ``p_n``; Gaussian and Bernoulli targets per output; a hash of
+          `key`, example ``offset + n`` and draw s, so every backend draws
+          the same);
         - ``"empirical"``: ``r_n r_n^T``, r the data loss's gradient.
 
         Outputs with positions (``(N, T, C)`` logits of a sequence model):
@@ -248,22 +253,16 @@ class ModelFunctions:
                 q = np.arange(int(start), int(start) + count)
                 pos, cls = q // num_classes, q % num_classes
             flat_s = ops.reshape(s, (n, positions))
-            if self.spec.squared_error:
-                # Keras' mean_squared_error averages the last axis: Hessian 2/C I.
-                vals = _rows_of_eye(cls, num_classes, z.dtype)[:, None, :] * float((2.0 / num_classes) ** 0.5)
-                vals = vals * ops.transpose(ops.take(flat_s, _ids(pos), axis=1))[:, :, None]
-            else:
-                p = ops.exp(ops.log_softmax(ops.reshape(z, (n, positions, num_classes)), axis=-1))
-                pt = ops.transpose(ops.take(p, _ids(pos), axis=1), (1, 0, 2))  # (k, N, C): p at each column's position
-                onehot = _rows_of_eye(cls, num_classes, z.dtype)[:, None, :]
-                pj = ops.sum(pt * onehot, axis=-1, keepdims=True)
-                vals = ops.sqrt(pj) * (onehot - pt) * ops.transpose(ops.take(flat_s, _ids(pos), axis=1))[:, :, None]
+            # Each column's token: z at its position, (k, N, C).
+            zt = ops.transpose(ops.take(ops.reshape(z, (n, positions, num_classes)), _ids(pos), axis=1), (1, 0, 2))
+            onehot = _rows_of_eye(cls, num_classes, z.dtype)[:, None, :]
+            vals = self.spec.likelihood.exact_factors(zt, onehot)
+            vals = vals * ops.transpose(ops.take(flat_s, _ids(pos), axis=1))[:, :, None]
             if positions == 1:
                 return ops.reshape(vals, (count,) + shape)
             at = ops.one_hot(_ids(pos), positions, dtype=z.dtype)  # (k, T)
             spread = at[:, None, :, None] * vals[:, :, None, :]
             return ops.reshape(spread, (count,) + shape)
-        p = ops.exp(ops.log_softmax(z, axis=-1))
         rows = ops.add(ops.arange(0, n, dtype="int32"), ops.cast(offset, "int32"))
         if positions > 1:  # a draw per position: row (example, position)
             rows = ops.reshape(rows[:, None] * positions + ops.arange(0, positions, dtype="int32")[None], (-1,))
@@ -271,31 +270,26 @@ class ModelFunctions:
         # overflow float16, and every backend must see the same numbers.
         udtype = "float64" if keras.backend.standardize_dtype(z.dtype) == "float64" else "float32"
         draws = ops.add(ops.arange(0, count, dtype="int32"), ops.cast(start, "int32"))
-        u = _probes.uniform_from_key(key, rows, draws, udtype)
-        cdf = ops.cumsum(ops.cast(ops.reshape(p, (n * positions, num_classes)), udtype), axis=-1)
-        labels = ops.sum(ops.cast(ops.greater(u[:, :, None], cdf[:, None, :]), "int32"), axis=-1)
-        labels = ops.minimum(labels, num_classes - 1)
-        onehot = ops.reshape(ops.one_hot(ops.transpose(labels), num_classes, dtype=z.dtype), (count,) + shape)
-        return (onehot - p[None]) * s_col[None] / ops.convert_to_tensor(float(num_samples) ** 0.5, dtype=z.dtype)
+        uniform = lambda r, c: _probes.uniform_from_key(key, r, c, udtype)  # noqa: E731
+        c = self.spec.likelihood.sampled_factors(ops.reshape(z, (n * positions, num_classes)), uniform, rows, draws)
+        c = ops.reshape(c, (count,) + shape)
+        return c * s_col[None] / ops.convert_to_tensor(float(num_samples) ** 0.5, dtype=z.dtype)
 
     def ggn_surrogate_of(self, params, nt, x, y, key, offset, kind="exact", num_samples=1, sw=None):
         """Batch surrogate whose Hessian is the GGN of `kind`: ``1/2 sum_n
         dz_n^T Q_n dz_n`` over ``dz = z - sg z``, divided by N (without
         `sw`), with ``Q_n = sum_j c_jn c_jn^T`` (``output_factors``); its
         value and gradient vanish at the point, its Hessian is ``1/N sum_n
-        J_n^T Q_n J_n``. The exact kind is written in closed form, ``Q =
-        s^2 (diag p - p p^T)`` per token (``2 s^2 / C I`` for the squared
-        error), at the cost of C, not C^2, per token."""
+        J_n^T Q_n J_n``. The exact kind is written in closed form, ``s^2
+        dz^T Q dz`` per token (``Likelihood.quadratic``; ``Q = diag p - p
+        p^T`` for softmax cross-entropy), at the cost of C, not C^2, per
+        token."""
         z = self.logits(params, nt, x)
         dz = z - ops.stop_gradient(z)
         norm = 1.0 if sw is not None else ops.cast(ops.shape(z)[0], z.dtype)
         if kind == "exact":
             s2 = ops.square(self.token_scale(z, sw))
-            if self.spec.squared_error:
-                quad = ops.sum(ops.square(dz), axis=-1) * (2.0 / int(z.shape[-1]))
-            else:
-                p = ops.stop_gradient(ops.exp(ops.log_softmax(z, axis=-1)))
-                quad = ops.sum(p * ops.square(dz), axis=-1) - ops.square(ops.sum(p * dz, axis=-1))
+            quad = self.spec.likelihood.quadratic(ops.stop_gradient(z), dz)
             return 0.5 * ops.sum(s2 * quad) / norm
         c = self.output_factors(kind, z, y, key, offset, num_samples, sw)
         # A factor spans an example's positions (Monte-Carlo labels at every
@@ -308,8 +302,9 @@ class ModelFunctions:
         """Batch ``sum_nt s_nt^2 sg(r_nt) . z_nt`` (divided by N without
         `sw`) plus regularisers: its Hessian is ``H - GGN``, the loss
         Hessian's second-order term ``sum_nt s_nt^2 sum_k r_ntk grad^2
-        z_ntk`` (exact when the loss's Hessian in the logits is ``diag p - p
-        p^T``, as for cross-entropy with labels that sum to one)."""
+        z_ntk`` (exact when the loss's Hessian in the logits is the
+        likelihood's ``Q``: cross-entropy with labels that sum to one,
+        binary cross-entropy with targets in [0, 1], the squared error)."""
         y_pred, losses = self.outputs(params, nt, x)
         z = self.spec.logits(y_pred)
         r = self.output_gradient(z, y)
@@ -482,10 +477,20 @@ def _describe(item):
 
 def check_labels(fns, x, y):
     """Labels must fit the model's outputs (``weights.check_label_shape``:
-    a sequence model's labels have its positions), and integer labels of a
-    sparse cross-entropy must lie in [0, classes): outside it some backends
-    return numbers (JAX gathers clamp)."""
+    a sequence model's labels have its positions), integer labels of a
+    sparse cross-entropy must lie in [0, classes) (outside it some backends
+    return numbers: JAX gathers clamp), a binary cross-entropy's targets in
+    [0, 1], a squared error's be finite."""
     check_label_shape(fns, x, y)
+    if y is not None and isinstance(fns.spec.likelihood, (_likelihoods.Bernoulli, _likelihoods.Gaussian)):
+        targets = np.asarray(ops.convert_to_numpy(y), dtype="float64")
+        if not np.all(np.isfinite(targets)):
+            raise ValueError(f"The targets y of the {fns.spec.name} hold NaN or Inf.")
+        if isinstance(fns.spec.likelihood, _likelihoods.Bernoulli) and targets.size and (targets.min() < 0 or targets.max() > 1):
+            raise ValueError(
+                f"Binary cross-entropy targets must lie in [0, 1] (a probability per output); got values in "
+                f"[{targets.min():g}, {targets.max():g}]."
+            )
     if y is None or not (fns.spec.classifier and fns.spec.sparse):
         return
     labels = np.asarray(ops.convert_to_numpy(y))

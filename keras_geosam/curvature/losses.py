@@ -1,10 +1,10 @@
-"""Which loss a curvature routine differentiates, and whether it is a classifier.
+"""Which loss a curvature routine differentiates, and its likelihood.
 
-Fisher quantities need a probabilistic classifier: a categorical
-cross-entropy on logits (``from_logits=True``) or on softmax probabilities.
-Anything else gets a ``ValueError`` naming the loss, never a number. The
-exact Gauss-Newton matrix (``GGN(kind="exact")``) is also defined for the
-mean squared error, whose Hessian in the outputs is constant.
+Fisher and Gauss-Newton quantities need a loss that is a negative
+log-likelihood (``likelihoods.py``): a categorical cross-entropy, the mean
+squared error (Gaussian) or a binary cross-entropy (Bernoulli), on logits or
+on probabilities. Anything else (MAE, Huber, hinge, custom losses) gets a
+``ValueError`` naming the loss and the families supported, never a number.
 """
 
 import dataclasses
@@ -13,10 +13,17 @@ import keras
 from keras import ops
 
 from keras_geosam import keras_internals
+from keras_geosam.curvature import likelihoods
 
 _CLASSIFIER_FNS = {
     "sparse_categorical_crossentropy": True,
     "categorical_crossentropy": False,
+}
+_LIKELIHOODS = {
+    "sparse_categorical_crossentropy": likelihoods.Categorical,
+    "categorical_crossentropy": likelihoods.Categorical,
+    "mean_squared_error": likelihoods.Gaussian,
+    "binary_crossentropy": likelihoods.Bernoulli,
 }
 
 
@@ -41,6 +48,8 @@ class LossSpec:
     [[0.5, 0.25, 0.25]]
     >>> kg.curvature.LossSpec("mse", keras.losses.mean_squared_error).classifier
     False
+    >>> kg.curvature.resolve_loss(None, "binary_crossentropy").likelihood
+    Bernoulli(from_logits=False)
     """
 
     name: str
@@ -49,21 +58,24 @@ class LossSpec:
     from_logits: bool = False
     sparse: bool = False
     squared_error: bool = False
+    likelihood: object = None
+
+    def __post_init__(self):
+        if self.likelihood is None and self.squared_error:
+            object.__setattr__(self, "likelihood", likelihoods.Gaussian())
+        if self.likelihood is None and self.classifier:
+            object.__setattr__(self, "likelihood", likelihoods.Categorical(self.from_logits))
 
     def logits(self, y_pred):
-        """The outputs the Gauss-Newton matrix linearises: logits z with
-        softmax(z) the predictive distribution (the outputs themselves, or
-        the log of softmax outputs, clipped as Keras' own cross-entropy does
-        so log stays finite when a class saturates); for the squared error,
-        the outputs."""
-        if self.from_logits or self.squared_error:
-            return y_pred
-        eps = keras.config.epsilon()
-        return ops.log(ops.clip(y_pred, eps, 1.0))
+        """The outputs the Gauss-Newton matrix linearises
+        (``Likelihood.natural``): logits for a cross-entropy (the outputs
+        themselves, or the log of softmax / logit of sigmoid outputs, clipped
+        as Keras' own losses clip), the outputs for the squared error."""
+        return y_pred if self.likelihood is None else self.likelihood.natural(y_pred)
 
     def outputs_from_logits(self, z):
         """Inverse of :meth:`logits` (up to the clip): what the loss takes."""
-        return z if (self.from_logits or self.squared_error) else ops.exp(z)
+        return z if self.likelihood is None else self.likelihood.outputs(z)
 
     def log_probs(self, y_pred):
         """Log-probabilities of the model's predictive distribution."""
@@ -80,8 +92,10 @@ def resolve_loss(model, loss=None):
             y_pred)``. Defaults to `None`.
 
     Returns:
-        A :class:`LossSpec`; ``classifier`` is True for a (sparse)
-        categorical cross-entropy, the loss Fisher quantities need.
+        A :class:`LossSpec`; ``likelihood`` is the loss's family
+        (``likelihoods.py``; None for a loss that is not a negative
+        log-likelihood), ``classifier`` True for a (sparse) categorical
+        cross-entropy.
 
     Raises:
         ValueError: if there is no loss (model not compiled with one and
@@ -128,13 +142,18 @@ def resolve_loss(model, loss=None):
         raise ValueError(f"Cannot use {loss!r} as a loss.")
     sparse = _CLASSIFIER_FNS.get(fn_name)
     classifier = sparse is not None
+    from_logits = bool(kwargs.get("from_logits", False))
+    family = _LIKELIHOODS.get(fn_name)
+    # A reduction over another axis than the outputs' is not the family's.
+    likelihood = family(from_logits) if family is not None and kwargs.get("axis", -1) == -1 else None
     return LossSpec(
         name=fn_name,
         per_example=per_example,
-        classifier=classifier,
-        from_logits=bool(kwargs.get("from_logits", False)),
+        classifier=classifier and likelihood is not None,
+        from_logits=from_logits,
         sparse=bool(sparse),
         squared_error=fn_name == "mean_squared_error",
+        likelihood=likelihood,
     )
 
 
@@ -148,11 +167,14 @@ def require_classifier(spec, what):
         )
 
 
-def require_gauss_newton(spec, what):
-    """Raises unless the exact Gauss-Newton matrix of `spec`'s loss is known:
-    a categorical cross-entropy or the mean squared error."""
-    if not (spec.classifier or spec.squared_error):
+def require_likelihood(spec, what, hint=""):
+    """Raises unless `spec`'s loss is a negative log-likelihood of a family
+    keras_geosam knows (its Fisher and Gauss-Newton matrix are then
+    defined); `hint` ends the message (another route, where one exists)."""
+    if spec.likelihood is None:
         raise ValueError(
-            f"{what} needs a loss whose Hessian in the model's outputs is known: a (sparse) "
-            f"categorical cross-entropy or the mean squared error. The loss here is {spec.name!r}."
+            f"{what} needs a loss that is a negative log-likelihood: {likelihoods.FAMILIES}, on logits "
+            f"or probabilities, reduced over the last axis. The loss here is {spec.name!r}, which has no "
+            f"likelihood in keras_geosam (MAE, Huber, hinge and custom losses have none).{hint}"
         )
+

@@ -22,6 +22,7 @@ from keras_geosam.curvature.data import batches
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.data import num_examples
 from keras_geosam.curvature.losses import require_classifier
+from keras_geosam.curvature.losses import require_likelihood
 from keras_geosam.curvature.operators import GGN
 from keras_geosam.curvature.operators import Hessian
 from keras_geosam.curvature.operators.model import capture_of
@@ -195,7 +196,7 @@ def ggnvp(model, x, y=None, vectors=None, reduction="mean", loss=None, batch_siz
     if reduction not in ("mean", "sum"):
         raise ValueError(f'reduction must be "mean" or "sum", got {reduction!r}.')
     fns = model_functions(model, loss, training)
-    require_classifier(fns.spec, "ggnvp")
+    require_likelihood(fns.spec, "ggnvp")
     vectors = fns.check_vectors(vectors)
     op = GGN(model, x, y, kind="exact", loss=loss, batch_size=batch_size, training=training, sample_weight=sample_weight)
     out = op.matvec(vectors)

@@ -93,7 +93,7 @@ def check_label_shape(fns, x, y):
     """Raises unless `y` fits the model's outputs on `x`: sparse labels
     ``(N,) + positions`` (a trailing 1 allowed), dense ones ``(N,) +
     positions + (C,)``."""
-    if y is None or not (fns.spec.classifier or fns.spec.squared_error):
+    if y is None or fns.spec.likelihood is None:
         return
     out = output_shape(fns, x)
     got = tuple(int(d) for d in ops.shape(y))

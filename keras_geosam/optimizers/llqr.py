@@ -26,7 +26,7 @@ class LLQR(PreconditionedOptimizer):
         structure: U's block structure, ``"diagonal"``, ``"kfac"`` or
             ``"ekfac"``. Defaults to ``"diagonal"``.
         divergence: what U is learned against, ``"ngd"`` (the Fisher;
-            needs a cross-entropy loss) or ``"newton"`` (the Hessian).
+            needs a cross-entropy or a mean squared error) or ``"newton"`` (the Hessian).
             Defaults to ``"ngd"``.
         refresh_every: refresh U every this many steps, step 0 included.
             Defaults to `1000`.
@@ -42,8 +42,8 @@ class LLQR(PreconditionedOptimizer):
         ValueError: if `structure`, `divergence` or an option of U is
             invalid (see ``LearnedPreconditioner``), for the invalid
             arguments listed in ``TwoPassOptimizer``, and at ``compile``
-            when ``divergence="ngd"`` meets a loss that is not a
-            cross-entropy.
+            when ``divergence="ngd"`` meets a loss that is not a negative
+            log-likelihood (``kg.curvature.resolve_loss``).
 
     Example:
 

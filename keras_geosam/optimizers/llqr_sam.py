@@ -60,7 +60,7 @@ class LLQRSAM(PreconditionedOptimizer):
             `sam_start_step` is not an integer >= 0, for invalid options of
             U and the invalid arguments listed in ``TwoPassOptimizer``, and
             at ``compile`` when ``divergence="ngd"`` meets a loss that is
-            not a cross-entropy.
+            not a negative log-likelihood (``kg.curvature.resolve_loss``).
 
     Example:
 

@@ -20,12 +20,14 @@ from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.operators.base import cast_to
 from keras_geosam.curvature.layers import is_convolutional
 from keras_geosam.curvature.layers import kernel_views
-from keras_geosam.curvature.losses import require_classifier
+from keras_geosam.curvature.losses import require_likelihood
 from keras_geosam.curvature.losses import resolve_loss
 from keras_geosam.preconditioner.schedule import RefreshSchedule
 from keras_geosam.preconditioner import objective
 from keras_geosam.preconditioner import structures
 
+# Where the Fisher is undefined, the loss Hessian still is.
+_NEWTON_HINT = ' divergence="newton" (the loss Hessian) works with any loss.'
 DIVERGENCES = ("ngd", "newton")
 REFRESH_SOURCES = ("step", "callback")
 OPTIONS = (
@@ -99,9 +101,10 @@ class LearnedPreconditioner:
     Args:
         structure: ``"diagonal"`` | ``"kfac"`` | ``"ekfac"``
             (``structures.py``).
-        divergence: ``"ngd"`` (Fisher = Gauss-Newton of softmax cross-entropy,
-            summed over the preconditioner batch) or ``"newton"`` (Hessian of
-            the mean loss).
+        divergence: ``"ngd"`` (the Fisher = Gauss-Newton matrix of the
+            compiled loss, summed over the preconditioner batch: categorical
+            or binary cross-entropy, mean squared error) or ``"newton"``
+            (Hessian of the mean loss, any loss).
         refresh_every: refresh U when ``iterations % refresh_every == 0``
             (step 0 included).
         refresh_source: ``"step"`` (default): refresh inside the compiled
@@ -289,7 +292,7 @@ class LearnedPreconditioner:
         if (refresh_source or self.refresh_source) != "step":
             return
         if self.divergence == "ngd" and getattr(model, "loss", None) is not None:
-            require_classifier(resolve_loss(model), 'LLQR with divergence="ngd"')
+            require_likelihood(resolve_loss(model), 'LLQR with divergence="ngd"', _NEWTON_HINT)
 
     def _problem(self, model, values, non_trainable, x, y):
         """gbar and the G-product at `values`, inference mode. The model is
@@ -297,22 +300,23 @@ class LearnedPreconditioner:
         one forward pass instead of running the network again."""
         fns = model_functions(model, None, training=False, include_regularization=False)
         if self.divergence == "ngd":
-            require_classifier(fns.spec, 'LLQR with divergence="ngd"')
-            # G = sum_n J_n^T (diag p_n - p_n p_n^T) J_n, the GGN summed over
-            # the batch, and gbar = J^T r / N with r_n = dl_n/dz_n. With
-            # outputs per position (a language model's (N, T, V) logits) the
-            # loss terms are tokens: G sums over them, gbar is their mean.
+            require_likelihood(fns.spec, 'LLQR with divergence="ngd"', _NEWTON_HINT)
+            # G = sum_n J_n^T Q_n J_n, the GGN summed over the batch (Q_n the
+            # loss term's Hessian in its outputs: diag p_n - p_n p_n^T for
+            # softmax cross-entropy; ``likelihoods.py``), and gbar = J^T r / N
+            # with r_n = dl_n/dz_n. With outputs per position (a language
+            # model's (N, T, V) logits) the loss terms are tokens: G sums
+            # over them, gbar is their mean.
             z, jvp_fn, vjp_fn = backend.linearize(fns.logits, list(values), non_trainable, x)
             z = ops.stop_gradient(z)
-            p = ops.exp(ops.log_softmax(z, axis=-1))
+            curvature = fns.spec.likelihood.hessian_at(z)
             r = fns.output_gradient(z, y)
             n = ops.cast(ops.size(z) // int(z.shape[-1]), z.dtype)  # examples (tokens); batch size may be unknown when traced
             gbar = [ops.cast(g, v.dtype) for g, v in zip(vjp_fn(r / n), values)]
 
             def gprod(u):
                 w = jvp_fn([ops.cast(t, v.dtype) for t, v in zip(u, values)])
-                w = ops.cast(w, p.dtype)
-                return vjp_fn(p * w - p * ops.sum(p * w, axis=-1, keepdims=True))
+                return vjp_fn(curvature(ops.cast(w, z.dtype)))
 
             return gbar, gprod
         _, gbar = backend.value_and_grad(fns.loss, list(values), non_trainable, x, y)

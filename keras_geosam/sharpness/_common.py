@@ -5,13 +5,12 @@ from keras_geosam.curvature.data import DEFAULT_BATCH_SIZE
 
 
 def require_fisher(model, loss, what):
-    """Raises unless the model's loss is a classifier's: the Fisher of the
-    predictive distribution (which the GGN of a squared error is not said to
-    be here) needs one."""
+    """Raises unless the model's loss is a negative log-likelihood whose
+    Fisher is defined (``curvature/likelihoods.py``)."""
     from keras_geosam.curvature.functional import model_functions
-    from keras_geosam.curvature.losses import require_classifier
+    from keras_geosam.curvature.losses import require_likelihood
 
-    require_classifier(model_functions(model, loss).spec, what)
+    require_likelihood(model_functions(model, loss).spec, what)
 
 
 def check_inputs(model, x, y, loss=None, sample_weight=None, labels_needed=True):

@@ -97,8 +97,8 @@ def gradient_noise_alignment(
     near ``(1/B)(N-B)/(N-1)`` for a calibrated model (module doc).
 
     Args:
-        model: a built classifier compiled with a categorical cross-entropy
-            (on logits or softmax outputs).
+        model: a built model compiled with a negative log-likelihood
+            (categorical or binary cross-entropy, mean squared error).
         x, y: the data minibatches are drawn from.
         batch_size: B, smaller than the number of examples.
         num_batches: minibatches drawn. Defaults to `64`.
@@ -125,7 +125,7 @@ def gradient_noise_alignment(
     Raises:
         ValueError: if `batch_size` or `num_batches` is not an integer >= 1,
             `batch_size` is not smaller than the data, `kind` is unknown,
-            the loss is not a categorical cross-entropy, the model is not
+            the loss has no likelihood, the model is not
             built, or the data is invalid (lengths differ, non-finite
             inputs, labels that are not class ids of the model).
 

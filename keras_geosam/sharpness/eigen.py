@@ -6,7 +6,7 @@ from keras_geosam._checks import check_number
 from keras_geosam._checks import renamed_arguments
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.functional import progbar
-from keras_geosam.curvature.losses import require_classifier
+from keras_geosam.curvature.losses import require_likelihood
 from keras_geosam.curvature.operators import Hessian
 from keras_geosam.curvature.operators.model import MAX_EXACT_CLASSES
 from keras_geosam.estimators import lanczos
@@ -88,8 +88,8 @@ def riemannian_max_eigenvalue(model, x, y, structure="diagonal", kind="exact", d
     lambda_max is not. Result as :func:`hessian_max_eigenvalue`.
 
     Args:
-        model: a built classifier compiled with a categorical cross-entropy
-            (on logits or softmax outputs).
+        model: a built model compiled with a negative log-likelihood
+            (categorical or binary cross-entropy, mean squared error).
         x, y: data (streamed in `batch_size` pieces).
         structure: block structure of M, ``"diagonal"`` or ``"kfac"``
             (``metric=`` is a deprecated alias). Defaults to ``"diagonal"``.
@@ -112,7 +112,7 @@ def riemannian_max_eigenvalue(model, x, y, structure="diagonal", kind="exact", d
     Raises:
         ValueError: if `max_iter` is not an integer >= 1, `tol` is not
             positive, `damping` is negative, `structure` or `kind` is
-            unknown, the loss is not a categorical cross-entropy, the model
+            unknown, the loss has no likelihood, the model
             is not built, or the data is invalid (lengths differ, non-finite
             inputs, labels that are not class ids of the model).
 
@@ -129,7 +129,7 @@ def riemannian_max_eigenvalue(model, x, y, structure="diagonal", kind="exact", d
     """
     max_iter = check_int("max_iter", max_iter)
     fns = model_functions(model, loss, training=False)
-    require_classifier(fns.spec, "riemannian_max_eigenvalue")
+    require_likelihood(fns.spec, "riemannian_max_eigenvalue")
     damping = DEFAULT_DAMPING if damping is None else check_number("damping", damping, 0.0)
     _common.check_inputs(model, x, y, loss, sample_weight)
     M = fisher_metric(model, x, y, structure, kind, num_samples, seed, batch_size, loss, sample_weight=sample_weight,

@@ -3,11 +3,12 @@
 All three average over examples (F = 1/N sum_n ...), matching the Hessian
 of the *mean* loss:
 
-- ``"exact"``: the Fisher of the model's predictive distribution,
-  ``sum_k p_k (grad log p_k)^2`` per example (= the GGN diagonal);
-- ``"mc"``: the same with ``num_samples`` labels per example drawn from the
-  model's softmax (the paper's estimator); unbiased but noisy, and zero
-  wherever no drawn label moves a parameter;
+- ``"exact"``: the Fisher of the compiled loss's likelihood (categorical,
+  Gaussian or Bernoulli: ``curvature/likelihoods.py``), ``sum_k p_k (grad
+  log p_k)^2`` per example for a softmax (= the GGN diagonal);
+- ``"mc"``: the same with ``num_samples`` targets per example drawn from the
+  model (labels from its softmax: the paper's estimator); unbiased but
+  noisy, and zero wherever no drawn label moves a parameter;
 - ``"empirical"``: data labels with the model's loss. Not the Fisher: it is
   the second moment of per-example gradients.
 
@@ -30,8 +31,9 @@ def fisher_diagonal(model, x, y=None, kind="exact", num_samples=1, seed=0, batch
     """Diagonal of the Fisher information (averaged over examples).
 
     Args:
-        model: a built classifier compiled with a categorical cross-entropy
-            (logits or softmax outputs); anything else raises ValueError.
+        model: a built model compiled with a negative log-likelihood: a
+            categorical or binary cross-entropy (logits or probabilities)
+            or the mean squared error; anything else raises ValueError.
         x, y: data; `y` is needed only for ``kind="empirical"``.
         kind: ``"exact"`` | ``"mc"`` | ``"empirical"`` (see module doc).
         num_samples: labels drawn per example for ``"mc"``.
@@ -49,7 +51,7 @@ def fisher_diagonal(model, x, y=None, kind="exact", num_samples=1, seed=0, batch
 
     Raises:
         ValueError: if `kind` is unknown, `num_samples` is not an integer >=
-            1, the loss is not a categorical cross-entropy, `y` is missing
+            1, the loss has no likelihood, `y` is missing
             for ``"empirical"``, the model is not built, or the data is
             invalid (lengths differ, non-finite inputs, labels that are not
             class ids of the model).

@@ -42,14 +42,14 @@ def _linear_types():
     return tuple(getattr(L, n) for n in names if hasattr(L, n))
 
 
-def _activation_ok(act, last):
+def _activation_ok(act, last, link):
     if act is None:
         return True
     name = getattr(act, "__name__", "")
-    return name in _PL_ACTIVATIONS or (name == "softmax" and last)
+    return name in _PL_ACTIVATIONS or (name == link and last)
 
 
-def _check(model, allow_batchnorm, is_last=True):
+def _check(model, allow_batchnorm, is_last=True, link="softmax"):
     # A Sequential or functional graph: every operation is a known layer,
     # and no layer is applied twice (weight sharing is not linear in W).
     if not isinstance(model, (keras.Sequential, keras_internals.Functional)):
@@ -57,21 +57,22 @@ def _check(model, allow_batchnorm, is_last=True):
     linear = _linear_types()
     operations = list(getattr(model, "operations", None) or model.layers)
     for i, op in enumerate(operations):
-        # Only the model's final layer may be a softmax (it belongs to the
-        # loss); a nested model's last layer is last only if the model is.
+        # Only the model's final layer may apply the loss's link (a softmax
+        # or sigmoid the loss reads as probabilities belongs to the loss); a
+        # nested model's last layer is last only if the model is.
         last = is_last and i == len(operations) - 1
         if not isinstance(op, keras.layers.Layer):
             return False  # a raw keras.ops node of a functional graph
         if keras_internals.calls_of(op) > 1 and not isinstance(op, keras.layers.InputLayer):
             return False
         if isinstance(op, (keras.Sequential, keras_internals.Functional)):
-            if not _check(op, allow_batchnorm, last):
+            if not _check(op, allow_batchnorm, last, link):
                 return False
             continue
-        if isinstance(op, keras.layers.Softmax) and last:
+        if isinstance(op, keras.layers.Softmax) and last and link == "softmax":
             continue  # belongs to the loss
         if isinstance(op, keras.layers.Activation):
-            if not _activation_ok(op.activation, last):
+            if not _activation_ok(op.activation, last, link):
                 return False
             continue
         if isinstance(op, keras.layers.BatchNormalization):
@@ -84,21 +85,25 @@ def _check(model, allow_batchnorm, is_last=True):
             continue
         if not isinstance(op, linear):
             return False
-        if not _activation_ok(getattr(op, "activation", None), last):
+        if not _activation_ok(getattr(op, "activation", None), last, link):
             return False
     return True
 
 
-def is_piecewise_linear(model):
+def is_piecewise_linear(model, link="softmax"):
     """Whether every layer is piecewise linear in each single parameter.
 
     True for ReLU/LeakyReLU/linear activations with no normalisation or
-    other nonlinearity (softmax as the last layer belongs to the loss).
+    other nonlinearity (the last layer's `link` belongs to the loss).
     Conservative: anything unknown gives False.
 
     Args:
         model: a Sequential or functional ``keras.Model`` (subclassed
             models give False).
+        link: the output activation the loss reads as probabilities
+            (``Likelihood.link``: ``"softmax"`` for a cross-entropy on
+            probabilities, ``"sigmoid"`` for a binary one, `None` for
+            logits or a squared error). Defaults to ``"softmax"``.
 
     Returns:
         A bool.
@@ -112,10 +117,10 @@ def is_piecewise_linear(model):
     >>> kg.sharpness.is_piecewise_linear(relu), kg.sharpness.is_piecewise_linear(tanh)
     (True, False)
     """
-    return _check(model, allow_batchnorm=False)
+    return _check(model, allow_batchnorm=False, link=link)
 
 
-def is_layerwise_linear(model, training=False):
+def is_layerwise_linear(model, training=False, link="softmax"):
     """Whether every per-layer diagonal block of the Hessian equals the GGN's.
 
     True for piecewise-linear networks, BatchNormalization allowed in
@@ -126,6 +131,7 @@ def is_layerwise_linear(model, training=False):
         model: a Sequential or functional ``keras.Model``.
         training: whether curvature is taken in training mode (then
             BatchNormalization is not linear). Defaults to `False`.
+        link: as for :func:`is_piecewise_linear`.
 
     Returns:
         A bool.
@@ -139,4 +145,4 @@ def is_layerwise_linear(model, training=False):
     >>> kg.sharpness.is_layerwise_linear(model, training=True)
     False
     """
-    return _check(model, allow_batchnorm=not training)
+    return _check(model, allow_batchnorm=not training, link=link)

@@ -17,7 +17,7 @@ on layerwise-linear networks. ``split=False`` estimates the whole of
 ``M^-1/2 H M^-1/2`` by probes instead.
 
 Caveat for piecewise-linear networks (ReLU/LeakyReLU, no normalisation,
-softmax cross-entropy): the network is linear in every single parameter, so
+a softmax, sigmoid or linear output): the network is linear in every single parameter, so
 ``diag H = diag F_exact`` and the undamped diagonal S_R equals the number of
 parameters with nonzero Fisher, whatever the minimum. The result reports
 that count (``info["num_nonzero_fisher"]``) and the value per counted
@@ -33,7 +33,7 @@ from keras_geosam._checks import check_int
 from keras_geosam._checks import check_number
 from keras_geosam._checks import renamed_arguments
 from keras_geosam.curvature.functional import model_functions
-from keras_geosam.curvature.losses import require_classifier
+from keras_geosam.curvature.losses import require_likelihood
 from keras_geosam.curvature.operators import EKFAC
 from keras_geosam.curvature.operators import GGN
 from keras_geosam.curvature.operators import Hessian
@@ -111,8 +111,9 @@ def riemannian_sharpness(
     """Riemannian sharpness ``S_R = tr(M^-1 H)`` at the model's weights.
 
     Args:
-        model: a built classifier (categorical cross-entropy on logits or
-            softmax outputs).
+        model: a built model compiled with a negative log-likelihood
+            (categorical or binary cross-entropy on logits or probabilities,
+            mean squared error; ``curvature/likelihoods.py``).
         x, y: data (streamed in `batch_size` pieces).
         structure: block structure of M, ``"diagonal"`` | ``"kfac"`` |
             ``"exact"`` (module doc; ``metric=`` is a deprecated alias).
@@ -176,8 +177,7 @@ def riemannian_sharpness(
     Raises:
         ValueError: if `structure`, `kind` or `estimator` is unknown, `num_probes`,
             `max_probes`, `min_probes` or `metric_draws` is not an integer >= 1, `rtol` is not positive,
-            `damping` is negative, the loss is not a categorical
-            cross-entropy, ``structure="exact"`` exceeds `max_params`, the
+            `damping` is negative, the loss has no likelihood, ``structure="exact"`` exceeds `max_params`, the
             model is not built, or the data is invalid (lengths differ,
             non-finite inputs, labels that are not class ids of the model).
 
@@ -213,7 +213,7 @@ def riemannian_sharpness(
                 min_probes=min_probes),
             seed, metric_draws)
     fns = model_functions(model, loss, training=False)
-    require_classifier(fns.spec, "riemannian_sharpness")
+    require_likelihood(fns.spec, "riemannian_sharpness")
     _common.check_inputs(model, x, y, loss, sample_weight)
     _common.warn_if_tiny(x)
     if structure == "exact":
@@ -244,7 +244,7 @@ def riemannian_sharpness(
     # Per parameter with nonzero Fisher: 1 for the undamped diagonal S_R of
     # a piecewise-linear net (the degeneracy), whatever the damping asked.
     est.info["normalized"] = est.value / max(info["num_nonzero_fisher"], 1)
-    pl = is_piecewise_linear(model)
+    pl = is_piecewise_linear(model, link=fns.spec.likelihood.link)
     est.info["piecewise_linear"] = pl
     if pl and structure == "diagonal" and damping == 0 and kind == "exact":
         warnings.warn(

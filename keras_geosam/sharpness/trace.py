@@ -1,7 +1,8 @@
 """Traces of the Hessian, plain or under a metric, split into an exact part
 and a residual.
 
-For softmax cross-entropy, ``H = GGN + (H - GGN)``. The first part is exact
+For a loss with a likelihood (cross-entropy, binary cross-entropy, mean
+squared error), ``H = GGN + (H - GGN)``. The first part is exact
 and probe-free (``GGN.trace_with``: per-example gradients from layer inputs
 and output gradients); only the second needs Hutchinson probes, on products
 with ``H - GGN`` (``GGNResidual``, one linearisation per batch for all
@@ -88,7 +89,7 @@ def split_trace(model, x, y, inverse=None, inverse_sqrt=None, num_probes=20, rto
     info.update(split=True, exact_part=exact, exact_part_stderr=exact_se, **ginfo)
     if G.weighted:
         info["total_weight"] = G.total_weight
-    if is_layerwise_linear(model) and not _has_regularization(fns, x):
+    if is_layerwise_linear(model, link=fns.spec.likelihood.link) and not _has_regularization(fns, x):
         info.update(
             residual=0.0, residual_stderr=0.0, residual_exact=True, rtol_reached=True,
             parts="tr(M^-1 GGN) exact; residual tr(M^-1 (H - GGN)) = 0 exactly (layerwise-linear network)",
@@ -182,8 +183,9 @@ def hessian_trace(model, x, y, num_probes=20, rtol=0.05, max_probes=100, split=N
             this many probes, stop when `rtol` is projected to need more
             than `max_probes` (``info["futility"]``); ``min_probes >=
             max_probes`` turns it off. Defaults to `10`.
-        split: see above; True needs a cross-entropy classifier. Defaults
-            to `None` (True for classifiers).
+        split: see above; True needs a loss with a likelihood
+            (cross-entropy, binary cross-entropy, mean squared error).
+            Defaults to `None` (True for those losses).
         estimator: ``"hutchinson"``, ``"hutch++"`` or ``"deflated"``
             (``kg.estimators.deflated_hutchinson``: Hutchinson until its first
             round misses `rtol`, then a sketched subspace exactly).
@@ -235,7 +237,7 @@ def hessian_trace(model, x, y, num_probes=20, rtol=0.05, max_probes=100, split=N
     check_estimator(estimator)
     fns = _common.check_inputs(model, x, y, loss, sample_weight)
     if split is None:
-        split = fns.spec.classifier
+        split = fns.spec.likelihood is not None
     _common.warn_if_tiny(x)
     if split:
         return split_trace(model, x, y, None, None, num_probes, rtol, max_probes, estimator, seed, batch_size, loss, verbose,

@@ -1010,12 +1010,13 @@ def test_validation():
     x, y = case.x, case.y
     mse = keras.Sequential([keras.Input((4,)), keras.layers.Dense(K)])
     mse.compile(loss="mse")
-    # The exact Gauss-Newton matrix of a squared error is defined (its
-    # reference test is test_kfac_weight_sharing.py); a sampled Fisher is not.
-    with pytest.raises(ValueError, match="classifier"):
-        cv.GGN(mse, x, kind="mc")
-    with pytest.raises(ValueError, match="classifier"):
-        cv.GGNResidual(mse, x, np.zeros((N, K)))
+    # A squared error's GGN and Fisher are defined (test_likelihoods.py);
+    # a hinge loss has no likelihood.
+    for loss in ("hinge", keras.losses.MeanAbsoluteError()):
+        with pytest.raises(ValueError, match="no likelihood"):
+            cv.GGN(mse, x, kind="mc", loss=loss)
+        with pytest.raises(ValueError, match="no likelihood"):
+            cv.GGNResidual(mse, x, np.zeros((N, K)), loss=loss)
     hinge = keras.Sequential([keras.Input((4,)), keras.layers.Dense(K)])
     hinge.compile(loss="hinge")
     with pytest.raises(ValueError, match="squared error"):

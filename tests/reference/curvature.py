@@ -210,6 +210,75 @@ class Reference:
         return self.per_example_gradients(x=jnp.asarray(to_numpy(x)), y=np.asarray(labels))
 
 
+class LikelihoodReference(Reference):
+    """Explicit matrices of Keras' mean squared error (``"gaussian"``) or
+    binary cross-entropy on logits (``"bernoulli"``), each the mean over the
+    d outputs and then over examples, on a hand-written model whose
+    ``logits_fn`` returns ``(N, d)`` natural outputs (a sigmoid's input for
+    a model that ends in one).
+
+    GGN = exact Fisher: ``1/N sum_n J_n^T Q_n J_n`` with ``Q = 2/d I``
+    (Gaussian of variance d/2) or ``diag(p (1 - p)) / d`` (Bernoulli).
+    ``mc_ggn`` rebuilds the Monte-Carlo Fisher from the "labels" hash
+    stream: per (example, output) row ``n d + k``, Box-Muller on draws
+    ``2s, 2s + 1`` (Gaussian) or a target ``u < p`` (Bernoulli).
+    """
+
+    def __init__(self, family, logits_fn, params, x, y=None, regularizer=None):
+        super().__init__(logits_fn, params, x, y, regularizer)
+        if family not in ("gaussian", "bernoulli"):
+            raise ValueError(family)
+        self.family = family
+
+    def per_example_losses(self, theta, x=None, y=None):
+        y = jnp.asarray(self.y if y is None else y)
+        z = self.logits(theta, x)
+        y = y.reshape(z.shape)
+        if self.family == "gaussian":
+            return jnp.mean((z - y) ** 2, axis=-1)
+        # -y log sigmoid(z) - (1 - y) log sigmoid(-z), written without Keras.
+        return jnp.mean(y * jnp.logaddexp(0.0, -z) + (1.0 - y) * jnp.logaddexp(0.0, z), axis=-1)
+
+    def probs(self):
+        return np.asarray(jax.nn.sigmoid(self.logits()))
+
+    def output_hessians(self):
+        """(N, d, d): each example's Q."""
+        z = np.asarray(self.logits())
+        d = z.shape[-1]
+        if self.family == "gaussian":
+            return np.broadcast_to(2.0 / d * np.eye(d), (z.shape[0], d, d))
+        p = self.probs()
+        return np.einsum("nk,kl->nkl", p * (1 - p) / d, np.eye(d))
+
+    def ggn(self, reduction="mean"):
+        jac = self.logits_jacobian()
+        g = np.einsum("nkp,nkl,nlq->pq", jac, self.output_hessians(), jac)
+        return g / jac.shape[0] if reduction == "mean" else g
+
+    def mc_factors(self, num_samples, seed):
+        """(S, N, d) factors c with E[c c^T] = Q, from the hash."""
+        z = np.asarray(self.logits())
+        n, d = z.shape
+        rows = np.arange(n * d)
+        draws = np.arange(num_samples)
+        if self.family == "gaussian":
+            u = hash_uniform(seed, rows, np.concatenate([2 * draws, 2 * draws + 1]))
+            u = u.reshape(n, d, 2, num_samples)
+            eps = np.sqrt(-2.0 * np.log(1.0 - u[:, :, 0])) * np.cos(2.0 * np.pi * u[:, :, 1])
+            return np.sqrt(2.0 / d) * eps.transpose(2, 0, 1)
+        u = hash_uniform(seed, rows, draws).reshape(n, d, num_samples)
+        p = self.probs()
+        target = (u < p[:, :, None]).astype(np.float64)
+        return (target.transpose(2, 0, 1) - p[None]) / np.sqrt(d)
+
+    def mc_ggn(self, num_samples, seed):
+        jac = self.logits_jacobian()
+        c = self.mc_factors(num_samples, seed)
+        v = np.einsum("nkp,snk->snp", jac, c)
+        return np.einsum("snp,snq->pq", v, v) / (jac.shape[0] * num_samples)
+
+
 # ------------------------------------------------ counter-based probes ----
 # An independent NumPy (uint32) implementation of the probe hash of
 # keras_geosam/curvature/probes.py: murmur3's 32-bit finaliser applied to

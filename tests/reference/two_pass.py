@@ -3,8 +3,9 @@
 Nothing here goes through Keras or keras_geosam: small models (Dense layers,
 tanh/sigmoid activations, training-mode BatchNormalization) are written by
 hand in float64 NumPy, with hand-written backward passes for the mean
-softmax cross-entropy (optionally sample-weighted, Keras'
-``sum_over_batch_size`` reduction: ``sum_n w_n l_n / N``). The SAM-family
+softmax cross-entropy, squared error or binary cross-entropy (optionally
+sample-weighted, Keras' ``sum_over_batch_size`` reduction: ``sum_n w_n l_n
+/ N``). The SAM-family
 perturbations follow the spec formulas (shared/spec/llqr-sam.md, section 3).
 ``workers/training_worker.py`` runs the same models on other backends.
 """
@@ -70,17 +71,31 @@ def softmax(z):
     return e / e.sum(axis=1, keepdims=True)
 
 
-def loss_and_grad(layers, params, x, y, sample_weight=None):
-    """Mean (sum_n w_n l_n / N) sparse softmax cross-entropy and its gradient."""
+def loss_and_grad(layers, params, x, y, sample_weight=None, loss="sce"):
+    """Mean (sum_n w_n l_n / N) loss and its gradient: sparse softmax
+    cross-entropy (``"sce"``), or Keras' mean over the k outputs of the
+    squared error (``"mse"``) or of the binary cross-entropy on logits
+    (``"bce"``), y then ``(N, k)`` targets."""
     params = [np.asarray(p, np.float64) for p in params]
     z, caches, stats = forward(layers, params, x)
     n, k = z.shape
-    p = softmax(z)
-    onehot = np.eye(k)[np.asarray(y).astype(int).ravel()]
     w = np.ones(n) if sample_weight is None else np.asarray(sample_weight, np.float64)
-    per_example = -np.sum(onehot * np.log(p), axis=1)
-    loss = np.sum(w * per_example) / n
-    dh = (p - onehot) * w[:, None] / n
+    if loss == "sce":
+        p = softmax(z)
+        onehot = np.eye(k)[np.asarray(y).astype(int).ravel()]
+        per_example = -np.sum(onehot * np.log(p), axis=1)
+        dz = p - onehot
+    elif loss == "mse":
+        t = np.asarray(y, np.float64).reshape(n, k)
+        per_example = np.mean((z - t) ** 2, axis=1)
+        dz = 2.0 * (z - t) / k
+    else:
+        assert loss == "bce", loss
+        t = np.asarray(y, np.float64).reshape(n, k)
+        per_example = np.mean(np.logaddexp(0.0, z) - t * z, axis=1)
+        dz = (1.0 / (1.0 + np.exp(-z)) - t) / k
+    value = np.sum(w * per_example) / n
+    dh = dz * w[:, None] / n
     grads = [None] * len(params)
     i = len(params)
     for layer, cache in zip(reversed(layers), reversed(caches)):
@@ -101,7 +116,7 @@ def loss_and_grad(layers, params, x, y, sample_weight=None):
             dxhat = dh * gamma
             m = dxhat.shape[0]
             dh = inv / m * (m * dxhat - dxhat.sum(0) - xhat * np.sum(dxhat * xhat, axis=0))
-    return loss, grads, stats
+    return value, grads, stats
 
 
 def norm(ts):

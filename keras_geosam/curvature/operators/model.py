@@ -35,8 +35,7 @@ from keras_geosam.curvature.functional import check_data
 from keras_geosam.curvature.functional import check_labels
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.data import num_examples
-from keras_geosam.curvature.losses import require_classifier
-from keras_geosam.curvature.losses import require_gauss_newton
+from keras_geosam.curvature.losses import require_likelihood
 from keras_geosam.curvature.operators.base import LinearOperator
 from keras_geosam.curvature.layers import warn_diagonal_fallback
 from keras_geosam.curvature.operators.structured import EKFAC
@@ -224,7 +223,7 @@ class GGNResidual(ModelOperator):
 
     def __init__(self, model, x, y, loss=None, batch_size=None, training=False, sample_weight=None):
         super().__init__(model, x, y, loss, batch_size, training, sample_weight)
-        require_classifier(self.fns.spec, "GGNResidual")
+        require_likelihood(self.fns.spec, "GGNResidual")
 
     def _matmat_batch(self, params, nt, vectors, xb, yb, swb, offset):
         return self.fns.kernel(self.fns.residual_batched_body)(params, nt, vectors, xb, yb, swb)
@@ -281,10 +280,7 @@ class GGN(ModelOperator):
         check_int("num_samples", num_samples)
         self.needs_labels = kind == "empirical"
         super().__init__(model, x, y, loss, batch_size, training, sample_weight)
-        if kind == "exact":
-            require_gauss_newton(self.fns.spec, "GGN (exact)")
-        else:
-            require_classifier(self.fns.spec, f"GGN / Fisher ({kind})")
+        require_likelihood(self.fns.spec, f"GGN / Fisher ({kind})")
         self.kind, self.num_samples, self.seed = kind, int(num_samples), seed
         self._key = probes.key(seed, "labels")
         self._capture = None
@@ -474,7 +470,7 @@ class GGN(ModelOperator):
         if self.kind != "exact":
             raise ValueError("trace_estimate is for the exact GGN; use trace_with for the other kinds.")
         classes = self.num_classes
-        if classes <= max_exact_classes or self.fns.spec.squared_error:
+        if classes <= max_exact_classes:
             value, parts = self.trace_with(weight)
             return value, 0.0, parts, {"exact_part_sampled": False}
         num_samples = check_int("num_samples", num_samples, 2)
