@@ -27,6 +27,12 @@ def compile_seconds():
     return 0.0
 
 
+def is_concrete(x):
+    """Whether `x` holds values now (not a tensor being traced): always,
+    where nothing is traced (torch runs eagerly)."""
+    return True
+
+
 def for_shapes(fn, *args):
     """``fn(*args)``: an eager forward compiles nothing (TensorFlow, torch)."""
     return fn(*args)

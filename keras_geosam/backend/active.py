@@ -27,6 +27,7 @@ a list of backend tensors:
   axis k and may be called repeatedly on the one forward pass
 - ``eigh(x)`` -> eigenvalues (ascending) and eigenvectors of a symmetric
   matrix, with the fastest solver for the device
+- ``is_concrete(x)`` -> whether `x` holds values now (not a traced tensor)
 - ``per_example_grads(f, params, *batch)`` -> gradients of ``f(params, *example)``
   for every example along axis 0 of ``batch`` (vectorised, no Python loop)
 - ``eager_steps``: True where a train step runs eagerly (torch), so its
@@ -117,6 +118,7 @@ value_and_vjp = _impl.value_and_vjp
 vjp_batched = _impl.vjp_batched
 per_example_grads = _impl.per_example_grads
 eigh = _impl.eigh
+is_concrete = _impl.is_concrete
 compile = _impl.compile
 for_shapes = _impl.for_shapes
 slow_convolutions_in_loops = _impl.slow_convolutions_in_loops
@@ -159,6 +161,7 @@ __all__ = [
     "vjp_batched",
     "per_example_grads",
     "eigh",
+    "is_concrete",
     "compile",
     "slow_convolutions_in_loops",
     "batch_small_products",

@@ -109,6 +109,11 @@ def eigh(x):
     return jnp.linalg.eigh(x)
 
 
+def is_concrete(x):
+    """Whether `x` holds values now (not a tracer inside ``jax.jit``)."""
+    return not isinstance(x, jax.core.Tracer)
+
+
 def per_example_grads(f, params, *batch):
     def one(*example):
         return jax.grad(f)(params, *[one_example(e) for e in example])

@@ -320,6 +320,11 @@ def add_scaled(y, x, alpha):
     return _generic_add_scaled(y, x, alpha)
 
 
+def is_concrete(x):
+    """Whether `x` holds values now (eager, not a graph being traced)."""
+    return tf.executing_eagerly() and hasattr(x, "numpy")
+
+
 def eigh(x):
     # On the CPU LAPACK's syevd (NumPy) is 2x faster than TF's own solver on
     # the 500-800 wide K-FAC factors; on a GPU keep TF's.

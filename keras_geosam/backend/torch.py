@@ -383,6 +383,7 @@ from keras_geosam.backend._single_device import replica_count  # noqa: E402,F401
 
 from keras_geosam.backend._generic import one_example  # noqa: E402
 from keras_geosam.backend._generic import for_shapes  # noqa: E402,F401
+from keras_geosam.backend._generic import is_concrete  # noqa: E402,F401
 from keras_geosam.backend._generic import compile_seconds  # noqa: E402,F401
 from keras_geosam.backend._generic import densify  # noqa: E402,F401
 from keras_geosam.backend._generic import step_timer  # noqa: E402,F401

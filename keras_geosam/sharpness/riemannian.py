@@ -34,6 +34,7 @@ from keras_geosam._checks import check_number
 from keras_geosam._checks import renamed_arguments
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.losses import require_likelihood
+from keras_geosam.curvature.operators.eigh import symmetric_eigh
 from keras_geosam.curvature.operators import EKFAC
 from keras_geosam.curvature.operators import GGN
 from keras_geosam.curvature.operators import Hessian
@@ -299,7 +300,7 @@ def _exact(model, fns, x, y, kind, damping, num_samples, seed, batch_size, max_p
     G = (G + G.T) / 2
     H = Hessian(model, x, y, loss=loss, batch_size=batch_size, sample_weight=sample_weight).to_dense(max_dim=max_params)
     H = (H + H.T) / 2
-    evals, evecs = np.linalg.eigh(G)
+    evals, evecs = symmetric_eigh(np.asarray(G, "float64"), "the dense Fisher metric")
     lam = damping * max(float(np.mean(np.clip(evals, 0, None))), 0.0)
     shifted = evals + lam
     # Relative cutoff at the precision the gradients were computed in: below

@@ -233,3 +233,25 @@ def test_llqr_ngd_problem_is_the_summed_fisher_of_the_loss(name):
     gbar, gv = kg.backend.compile(fn)(values, t(case.x), t(case.y), [t(v) for v in vec])
     assert rel(ref.flatten(gbar), case.ref.gradient()) < TOL
     assert rel(ref.flatten(gv), case.ref.ggn("sum") @ ref.flatten(vec)) < TOL
+
+
+@pytest.mark.parametrize("name", ["mse", "multilabel_logits", "bce_probs"])
+def test_a_regressor_and_binary_classifiers_train_and_log_every_riemannian_measure(name):
+    """The user's path end to end: LLQR+SAM with a K-FAC U (ngd refresh)
+    trains, and SharpnessLogger writes finite values with stderrs for the
+    Hessian trace and every Riemannian measure."""
+    case = get(name)
+    model = kg.attach(keras.models.clone_model(case.model))
+    model.set_weights(case.model.get_weights())
+    model.compile(optimizer=kg.optimizers.LLQRSAM(keras.optimizers.SGD(0.05), structure="kfac", refresh_every=3,
+                                                  refresh_steps=5, rho=0.05), loss=case.model.loss)
+    metrics = ("hessian_trace", "riemannian_sharpness", "riemannian_sharpness_kfac", "riemannian_lambda_max")
+    logger = kg.callbacks.SharpnessLogger(case.x, case.y, metrics=metrics, every_n_epochs=2, num_probes=4, rtol=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        history = model.fit(case.x, case.y, batch_size=4, epochs=4, verbose=0, callbacks=[logger]).history
+    assert history["loss"][-1] < history["loss"][0]
+    for m in metrics:
+        logged = [v for v in history[m] if not np.isnan(v)]
+        assert len(logged) == 2 and np.all(np.isfinite(logged)), (m, history[m])
+    assert all(np.isfinite(v) for v in history["riemannian_sharpness_stderr"] if not np.isnan(v))

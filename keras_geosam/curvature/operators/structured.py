@@ -33,6 +33,8 @@ from keras_geosam.curvature.operators.base import flatten
 from keras_geosam.curvature.operators.base import scalar
 from keras_geosam.curvature.operators.base import static_shape
 from keras_geosam.curvature.operators.base import unflatten
+from keras_geosam.curvature.operators.eigh import EigenDecompositionError
+from keras_geosam.curvature.operators.eigh import symmetric_eigh
 
 
 # A block of a metric whose largest eigenvalue is this far below the
@@ -283,8 +285,8 @@ class KFAC(_Spectral, LinearOperator):
             elif self.gram:
                 la, qa = self._gram_eigh()
             else:
-                la, qa = backend.eigh((self.A + ops.transpose(self.A)) / 2)
-            lb, qb = backend.eigh((self.B + ops.transpose(self.B)) / 2)
+                la, qa = symmetric_eigh(self.A, "the K-FAC input factor")
+            lb, qb = symmetric_eigh(self.B, "the K-FAC output factor")
             self._eigh = (la, qa, lb, qb)
         return self._eigh
 
@@ -302,7 +304,7 @@ class KFAC(_Spectral, LinearOperator):
         at rounding level (below r * eps * max) count as zero, their columns
         too."""
         R = self.rows
-        w, U = backend.eigh(ops.einsum("rm,sm->rs", R, R))
+        w, U = symmetric_eigh(ops.einsum("rm,sm->rs", R, R), "the Gram matrix of the K-FAC input factor")
         tol = scalar(int(R.shape[0]) * _eps(w.dtype), w.dtype) * ops.abs(ops.max(w))
         keep = ops.greater(w, tol)
         w = ops.where(keep, w, ops.zeros_like(w))
@@ -604,6 +606,14 @@ class BlockDiagonal(LinearOperator):
                 i += 1
         return out
 
+    def _path_of_block(self, index):
+        """The variable path(s) of block `index`, for messages."""
+        start = sum(len(b.shapes) for b in self.blocks[:index])
+        count = len(self.blocks[index].shapes)
+        if not self.paths:
+            return f"block {index}"
+        return ", ".join(self.paths[start:start + count])
+
     def summary(self, print_fn=print):
         """Prints each variable's block type and 2-D view (see ``describe``)."""
         rows = [(d["path"], d["block"], "x".join(map(str, d["shape"])) or "()",
@@ -697,7 +707,12 @@ class BlockDiagonal(LinearOperator):
         would otherwise be inverted as if it were information, and its
         inverse multiply noise by ~1e14. No block-local cutoff can tell such
         a block from a real one; its scale next to the others can."""
-        out = [getattr(b, method)(d, relative, rcond) for b, d in zip(self.blocks, self._per_block(damping))]
+        out = []
+        for i, (b, d) in enumerate(zip(self.blocks, self._per_block(damping))):
+            try:
+                out.append(getattr(b, method)(d, relative, rcond))
+            except EigenDecompositionError as error:
+                raise EigenDecompositionError(f"{self._path_of_block(i)}: {error}") from error
         floor = BLOCK_RCOND if block_rcond is None else float(block_rcond)
         if relative and floor > 0 and all(hasattr(b, "top_eigenvalue") for b in self.blocks) and all(hasattr(o, "masked") for o in out):
             tops = ops.stack([ops.cast(b.top_eigenvalue(), "float32" if b.dtype in ("float16", "bfloat16") else b.dtype) for b in self.blocks])
@@ -744,7 +759,7 @@ class Dense(_Spectral, LinearOperator):
         return ops.trace(self.matrix)
 
     def _spectral(self, damping, relative, power, rcond):
-        w, q = backend.eigh((self.matrix + ops.transpose(self.matrix)) / 2)
+        w, q = symmetric_eigh(self.matrix, "the dense block")
         lam = _absolute(damping, relative, mean(w))
         rcond = self.dim * _eps(w.dtype) if rcond is None else rcond
         f = spectral(w, lam, power, rcond)

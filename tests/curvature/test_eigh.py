@@ -1,0 +1,137 @@
+"""Every eigendecomposition ends in a number or a clear error.
+
+Solver failures are injected where they happen in the wild: the device's
+solver raising (torch: "linalg.eigh: The algorithm failed to converge") or
+returning NaN (JAX), and NumPy's LAPACK raising ``LinAlgError``. The
+fallbacks must reproduce ``np.linalg.eigh`` (float64, 1e-10 relative on
+the reconstruction; float32 blocks 1e-5), and when everything fails the
+error names the variable and the block's condition number.
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+import keras_geosam as kg
+from keras_geosam import backend
+from keras_geosam.curvature.operators import eigh as eigh_module
+from keras_geosam.curvature.operators.eigh import EigenDecompositionError
+from keras_geosam.curvature.operators.eigh import symmetric_eigh
+
+
+def _spd(n, seed=0):
+    a = np.random.default_rng(seed).normal(size=(n, n))
+    return a @ a.T + 0.1 * np.eye(n)
+
+
+def _reconstruct(w, v):
+    w, v = (np.asarray(ops.convert_to_numpy(t), "float64") for t in (w, v))
+    return (v * w) @ v.T
+
+
+def _fail(*args, **kwargs):
+    raise RuntimeError("linalg.eigh: The algorithm failed to converge because the input matrix is ill-conditioned")
+
+
+_ORIGINAL = backend.eigh
+
+
+@pytest.fixture
+def float64():
+    old = keras.config.floatx()
+    keras.config.set_floatx("float64")
+    yield
+    keras.config.set_floatx(old)
+
+
+def test_a_healthy_block_is_the_solver_s_answer():
+    m = _spd(6)
+    w, v = symmetric_eigh(ops.convert_to_tensor(m, "float32"))
+    assert np.allclose(_reconstruct(w, v), m, rtol=1e-5, atol=1e-4)
+    # Only the symmetric part counts.
+    skew = np.triu(np.ones((6, 6)), 1)
+    w2, _ = symmetric_eigh(ops.convert_to_tensor(m + skew - skew.T, "float32"))
+    assert np.allclose(ops.convert_to_numpy(w2), ops.convert_to_numpy(w), rtol=1e-5)
+
+
+@pytest.mark.parametrize("failure", ["raises", "nan"])
+def test_a_failing_device_solver_falls_back(monkeypatch, failure, float64):
+    m = _spd(7, 1)
+    calls = []
+
+    def flaky(x):
+        calls.append(1)
+        if failure == "raises":
+            raise RuntimeError("linalg.eigh: The algorithm failed to converge")
+        w, v = _ORIGINAL(x)
+        # JAX's way of failing: NaN, on the first (unjittered) try only.
+        return (w * float("nan"), v) if len(calls) == 1 else (w, v)
+
+    monkeypatch.setattr(backend, "eigh", flaky)
+    w, v = symmetric_eigh(ops.convert_to_tensor(m, "float64"))
+    assert keras.backend.standardize_dtype(w.dtype) == "float64"
+    assert np.abs(_reconstruct(w, v) - m).max() < 1e-10 * np.abs(m).max()
+    ref_w = np.linalg.eigvalsh(m)
+    assert np.allclose(np.asarray(ops.convert_to_numpy(w)), ref_w, rtol=1e-10, atol=1e-12)
+    # "raises": the jittered device try fails too, then the host solves it.
+    assert len(calls) == 2
+
+
+def test_when_every_solver_fails_the_error_names_the_variable_and_condition(monkeypatch):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4)).astype("float32")
+    y = rng.integers(0, 3, size=16)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3)])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    M = kg.sharpness.fisher_metric(model, x, structure="kfac")
+    monkeypatch.setattr(backend, "eigh", _fail)
+
+    def lapack(*args, **kwargs):
+        raise np.linalg.LinAlgError("Eigenvalues did not converge")
+
+    monkeypatch.setattr(eigh_module.np.linalg, "eigh", lapack)
+    with pytest.raises(EigenDecompositionError, match=r"dense/kernel.*K-FAC .* factor \(\d+ x \d+\).*condition number"):
+        M.inverse(1e-3, relative=True)
+    assert issubclass(EigenDecompositionError, ValueError)
+
+
+def test_a_non_finite_block_is_named_not_decomposed(monkeypatch):
+    m = _spd(4)
+    m[1, 2] = m[2, 1] = np.nan
+    monkeypatch.setattr(backend, "eigh", lambda x: (_ for _ in ()).throw(RuntimeError("LAPACK")))
+    with pytest.raises(EigenDecompositionError, match="2 NaN or Inf entries"):
+        symmetric_eigh(ops.convert_to_tensor(m, "float32"), "the test block")
+
+
+def test_riemannian_sharpness_is_unchanged_when_the_device_solver_fails(monkeypatch):
+    """The whole user path (K-FAC metric, its inverse square root, S_R)
+    gives the same number through the host fallback."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(24, 4)).astype("float32")
+    y = rng.integers(0, 3, size=24)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, activation="tanh"), keras.layers.Dense(3)])
+    model.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    kw = dict(structure="kfac", num_probes=4, rtol=None, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        healthy = kg.sharpness.riemannian_sharpness(model, x, y, **kw)
+        monkeypatch.setattr(backend, "eigh", _fail)
+        fallback = kg.sharpness.riemannian_sharpness(model, x, y, **kw)
+    assert fallback.value == pytest.approx(healthy.value, rel=1e-4)
+
+
+def test_inside_a_compiled_function_the_device_solver_runs():
+    m = _spd(5, 3).astype("float32")
+    w, v = backend.compile(lambda a: symmetric_eigh(a))(ops.convert_to_tensor(m))
+    assert np.allclose(_reconstruct(w, v), m, rtol=1e-4, atol=1e-4)
+
+
+def test_a_numpy_block_is_solved_on_the_host_in_float64(monkeypatch):
+    monkeypatch.setattr(backend, "eigh", _fail)  # never reached
+    m = _spd(5, 4)
+    w, v = symmetric_eigh(m)
+    assert isinstance(w, np.ndarray) and w.dtype == np.float64
+    assert np.abs((v * w) @ v.T - m).max() < 1e-12 * np.abs(m).max()
