@@ -160,6 +160,19 @@ def consumers(layer):
     return [node.operation for node in layer._outbound_nodes]
 
 
+def inputs_struct(model):
+    """The structure (dict, list or tensor) a functional model was built
+    with, its input names included; None for other models."""
+    return getattr(model, "_inputs_struct", None)
+
+
+def producer(tensor):
+    """The operation (an ``InputLayer`` for a model input) that made a
+    symbolic tensor, or None."""
+    history = getattr(tensor, "_keras_history", None)
+    return None if history is None else history.operation
+
+
 def keras_mask(tensor):
     """The mask Keras attached to a layer's output (``Embedding(mask_zero=
     True)`` and layers that propagate it), or None."""
@@ -229,6 +242,8 @@ def checked_names():
         ("Layer._flatten_layers", hasattr(model, "_flatten_layers")),
         ("Layer._inbound_nodes", hasattr(model.layers[0], "_inbound_nodes")),
         ("Layer._outbound_nodes", hasattr(model.layers[0], "_outbound_nodes")),
+        ("Functional._inputs_struct", hasattr(keras.Model(model.inputs, model.outputs), "_inputs_struct")),
+        ("KerasTensor._keras_history", hasattr(model.inputs[0], "_keras_history")),
         ("Layer._build_shapes_dict", hasattr(model.layers[0], "_build_shapes_dict")),
         ("Variable._layout", hasattr(model.weights[0], "_layout")),
         ("Optimizer._iterations", hasattr(opt, "_iterations")),

@@ -5,6 +5,7 @@ import numpy as np
 from keras import ops
 
 from keras_geosam._checks import check_int
+from keras_geosam.curvature.tokens import check_inputs_fit
 from keras_geosam.optimizers.base import unwrap
 
 
@@ -80,6 +81,8 @@ class PreconditionerRefresh(keras.callbacks.Callback):
         opt, _ = unwrap(getattr(model, "optimizer", None))
         if opt is not None and hasattr(opt, "check_model"):
             opt.check_model(model, refresh_source="step")
+        # Named inputs and token ids, before U is refreshed from them.
+        check_inputs_fit(model, self.x)
 
     def on_train_begin(self, logs=None):
         self._optimizer()

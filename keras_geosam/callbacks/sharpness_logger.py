@@ -12,6 +12,7 @@ from keras_geosam import sharpness
 from keras_geosam._checks import check_int
 from keras_geosam._checks import check_number
 from keras_geosam.curvature.functional import check_data
+from keras_geosam.curvature.functional import check_labels
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.losses import require_likelihood
 from keras_geosam.curvature.operators.model import MAX_EXACT_CLASSES
@@ -226,6 +227,8 @@ class SharpnessLogger(keras.callbacks.Callback):
         fns = model_functions(self.model, None, training=False)
         if any(_METRICS[m][3] for m in self.metrics):
             require_likelihood(fns.spec, "SharpnessLogger's Riemannian metrics")
+        # Named inputs, token ids and labels against this model (tokens.py).
+        check_labels(fns, self.x, self.y)
         self._given_metric = self._stderr_given_metrics(fns)
 
     def _stderr_given_metrics(self, fns):

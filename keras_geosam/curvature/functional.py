@@ -24,6 +24,7 @@ from keras_geosam.curvature.losses import require_likelihood
 from keras_geosam.curvature.losses import resolve_loss
 from keras_geosam.curvature.data import input_arrays
 from keras_geosam.curvature.data import num_examples
+from keras_geosam.curvature.tokens import check_inputs_fit
 from keras_geosam.curvature.weights import check_label_shape
 from keras_geosam.curvature.weights import output_mask
 from keras_geosam.curvature.weights import output_shape
@@ -476,11 +477,14 @@ def _describe(item):
 
 
 def check_labels(fns, x, y):
-    """Labels must fit the model's outputs (``weights.check_label_shape``:
-    a sequence model's labels have its positions), integer labels of a
-    sparse cross-entropy must lie in [0, classes) (outside it some backends
-    return numbers: JAX gathers clamp), a binary cross-entropy's targets in
-    [0, 1], a squared error's be finite."""
+    """Inputs must fit the model (``tokens.py``: named inputs present,
+    token ids inside each Embedding's vocabulary) and labels its outputs
+    (``weights.check_label_shape``: a sequence model's labels have its
+    positions); integer labels of a sparse cross-entropy must lie in [0,
+    classes) (outside it some backends return numbers: JAX gathers clamp),
+    a binary cross-entropy's targets in [0, 1], a squared error's be
+    finite."""
+    check_inputs_fit(fns.model, x)
     check_label_shape(fns, x, y)
     if y is not None and isinstance(fns.spec.likelihood, (_likelihoods.Bernoulli, _likelihoods.Gaussian)):
         targets = np.asarray(ops.convert_to_numpy(y), dtype="float64")

@@ -93,6 +93,9 @@ def lanczos(op, max_iter=100, tol=1e-3, seed=0, max_memory=DEFAULT_MAX_MEMORY, b
     for k in range(steps):
         w = _apply(op, q)
         alpha = _scalar(ops.sum(w * q))
+        if not math.isfinite(alpha):
+            theta, resid = alpha, math.inf  # no iteration recovers from it
+            break
         w = w - alpha * q
         if q_prev is not None:
             w = w - betas[-1] * q_prev

@@ -120,8 +120,8 @@ def hutchinson(op, num_probes=10, rtol=None, max_probes=200, seed=0, shift=0.0, 
         rows = np.concatenate([rows, quadratic_forms(op, rows.shape[0], count, seed)], axis=0)
         if bar is not None:
             bar.add(count)
-        if rtol is None:
-            break
+        if rtol is None or not np.all(np.isfinite(rows)):
+            break  # no number of probes makes a non-finite sample finite
         total = rows.sum(axis=1)
         n = total.size
         stderr = total.std(ddof=1) / math.sqrt(n) if n > 1 else math.inf

@@ -11,15 +11,17 @@ from keras_geosam.curvature.operators import Hessian
 from keras_geosam.curvature.operators.model import MAX_EXACT_CLASSES
 from keras_geosam.estimators import lanczos
 from keras_geosam.estimators.eigen import DEFAULT_MAX_MEMORY
+from keras_geosam.curvature.finite import require_finite
 from keras_geosam.sharpness import _common
 from keras_geosam.sharpness.metric import fisher_metric
 from keras_geosam.sharpness.riemannian import DEFAULT_DAMPING
 
 
-def _lanczos(op, x, max_iter, tol, seed, batch_size, max_memory, verbose):
+def _lanczos(op, model, x, max_iter, tol, seed, batch_size, max_memory, verbose):
     _common.warn_if_tiny(x)
     bar = progbar(max_iter, verbose, "iteration")
     est = lanczos(op, max_iter=max_iter, tol=tol, seed=seed, max_memory=max_memory, bar=bar)
+    require_finite(est.value, model, x, "The largest eigenvalue", batch_size)
     est.info.update(_common.data_info(x, batch_size))
     return est
 
@@ -72,7 +74,7 @@ def hessian_max_eigenvalue(model, x, y, max_iter=100, tol=1e-3, seed=0, batch_si
     max_iter = check_int("max_iter", max_iter)
     _common.check_inputs(model, x, y, loss, sample_weight)
     op = Hessian(model, x, y, loss=loss, batch_size=batch_size, sample_weight=sample_weight)
-    return _lanczos(op, x, max_iter, tol, seed, batch_size, max_memory, verbose)
+    return _lanczos(op, model, x, max_iter, tol, seed, batch_size, max_memory, verbose)
 
 
 @renamed_arguments(metric="structure", fisher="kind")
@@ -136,6 +138,6 @@ def riemannian_max_eigenvalue(model, x, y, structure="diagonal", kind="exact", d
                       max_exact_classes=max_exact_classes, exact_samples=exact_samples)
     S = M.inverse_sqrt(damping, relative=True)
     op = S @ Hessian(model, x, y, loss=loss, batch_size=batch_size, sample_weight=sample_weight) @ S
-    est = _lanczos(op, x, max_iter, tol, seed, batch_size, max_memory, verbose)
+    est = _lanczos(op, model, x, max_iter, tol, seed, batch_size, max_memory, verbose)
     est.info.update(metric=structure, fisher=kind, damping=damping, **M.info)
     return est

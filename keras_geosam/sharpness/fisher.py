@@ -23,6 +23,7 @@ from keras import ops
 from keras_geosam._checks import check_int
 from keras_geosam.curvature.operators import GGN
 from keras_geosam.curvature.operators.model import check_kind
+from keras_geosam.curvature.finite import require_finite
 from keras_geosam.sharpness import _common
 
 
@@ -76,7 +77,9 @@ def fisher_diagonal(model, x, y=None, kind="exact", num_samples=1, seed=0, batch
     num_samples = check_int("num_samples", num_samples)
     _common.require_fisher(model, loss, "fisher_diagonal")
     op = GGN(model, x, y, kind=kind, num_samples=num_samples, seed=seed, loss=loss, batch_size=batch_size, sample_weight=sample_weight)
-    return [np.asarray(ops.convert_to_numpy(d), dtype="float64") for d in op.diagonal()]
+    out = [np.asarray(ops.convert_to_numpy(d), dtype="float64") for d in op.diagonal()]
+    require_finite(sum(float(d.sum()) for d in out), model, x, "fisher_diagonal", batch_size)
+    return out
 
 
 def dense_fisher(model, x, y=None, kind="exact", num_samples=1, seed=0, batch_size=_common.DEFAULT_BATCH_SIZE, loss=None, max_params=20000,

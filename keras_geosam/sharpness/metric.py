@@ -15,11 +15,14 @@ al.'s. ``damping=0`` is a pseudo-inverse: zero-Fisher directions are
 excluded and counted.
 """
 
+from keras import ops
+
 from keras_geosam.curvature.operators import GGN
 from keras_geosam.curvature.operators import BlockDiagonal
 from keras_geosam.curvature.operators import Diagonal
 from keras_geosam.curvature.operators.model import MAX_EXACT_CLASSES
 from keras_geosam._checks import renamed_arguments
+from keras_geosam.curvature.finite import require_finite
 from keras_geosam.sharpness import _common
 
 STRUCTURES = ("diagonal", "kfac")
@@ -92,5 +95,7 @@ def fisher_metric(model, x, y=None, structure="diagonal", kind="exact", num_samp
             f"({G.num_classes} classes > max_exact_classes={max_exact_classes})"
         )
     M = G.kfac() if structure == "kfac" else BlockDiagonal([Diagonal([d]) for d in G.diagonal()], paths=G.fns.paths)
+    # Before anything inverts it: a NaN metric is the data's or the model's.
+    require_finite(float(ops.convert_to_numpy(M.trace())), model, x, "the Fisher metric", batch_size)
     M.info = info
     return M

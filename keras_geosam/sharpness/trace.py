@@ -33,6 +33,7 @@ from keras_geosam.estimators import hutchinson
 from keras_geosam.estimators import hutchpp
 from keras_geosam.sharpness import _common
 from keras_geosam.sharpness.linearity import is_layerwise_linear
+from keras_geosam.curvature.finite import require_finite
 
 ESTIMATORS = ("hutchinson", "hutch++", "deflated")
 
@@ -84,6 +85,7 @@ def split_trace(model, x, y, inverse=None, inverse_sqrt=None, num_probes=20, rto
     fns = model_functions(model, loss, training=False)
     G = GGN(model, x, y, kind="exact", loss=loss, batch_size=batch_size, sample_weight=sample_weight)
     exact, exact_se, parts, ginfo = G.trace_estimate(inverse, max_exact_classes, exact_samples, seed)
+    require_finite(exact, model, x, f"{what} (its GGN part)", batch_size)
     per_layer = dict(zip(fns.paths, parts))
     info = _common.data_info(x, batch_size)
     info.update(split=True, exact_part=exact, exact_part_stderr=exact_se, **ginfo)
@@ -104,6 +106,7 @@ def split_trace(model, x, y, inverse=None, inverse_sqrt=None, num_probes=20, rto
         # An unmet rtol is reported below, with the parts that explain it.
         warnings.filterwarnings("ignore", message="Hutchinson: relative standard error", category=RuntimeWarning)
         est = stochastic_trace(op, estimator, num_probes, rtol, max_probes, seed, exact, fns.paths, verbose, min_probes)
+    require_finite(est.value, model, x, f"{what} (its residual)", batch_size)
     info.update(est.info)
     residual, residual_se = est.value - exact, est.stderr
     stderr = float(np.hypot(residual_se, exact_se))
@@ -244,5 +247,6 @@ def hessian_trace(model, x, y, num_probes=20, rtol=0.05, max_probes=100, split=N
                            sample_weight, max_exact_classes, exact_samples, "tr H", min_probes)
     op = Hessian(model, x, y, loss=loss, batch_size=batch_size, sample_weight=sample_weight)
     est = stochastic_trace(op, estimator, num_probes, rtol, max_probes, seed, 0.0, fns.paths, verbose, min_probes)
+    require_finite(est.value, model, x, "tr H", batch_size)
     est.info.update(_common.data_info(x, batch_size), split=False)
     return est
