@@ -9,7 +9,25 @@ such as "no tolerance").
 
 import functools
 import numbers
+import os
+import sys
 import warnings
+
+import keras
+
+# Frames in these directories are the package's or Keras' own (fit, its
+# callbacks): a warning is attributed to the first frame outside them.
+_OWN_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (sys.modules[__name__.rsplit(".", 1)[0]], keras))
+
+
+def warn_at_caller(message, category=UserWarning):
+    """``warnings.warn`` pointed at the user's line: the first frame
+    outside keras_geosam and Keras (a ``model.fit(...)`` call for a warning
+    raised by a callback), whatever the depth it is raised at."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_OWN_DIRS):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def check_number(name, value, minimum=0.0, strict=False, below=None, allow_none=False):
@@ -64,8 +82,8 @@ def renamed_arguments(**old_to_new):
                 if old in kwargs:
                     if new in kwargs:
                         raise TypeError(f"{fn.__name__}() got both {new!r} and its deprecated alias {old!r}.")
-                    warnings.warn(f"{fn.__name__}({old}=...) is deprecated; use {new}=... (same meaning).",
-                                  DeprecationWarning, stacklevel=2)
+                    warn_at_caller(f"{fn.__name__}({old}=...) is deprecated; use {new}=... (same meaning).",
+                                  DeprecationWarning)
                     kwargs[new] = kwargs.pop(old)
             return fn(*args, **kwargs)
 

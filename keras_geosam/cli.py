@@ -290,16 +290,22 @@ def _read_json(path):
     import json
 
     with open(path) as f:
-        return json.load(f)
+        history = json.load(f)
+    # null is a NaN (an epoch a metric was not logged in)
+    return {k: [float("nan") if v is None else v for v in vals] for k, vals in history.items()}
 
 
 def _write_json(path, obj):
+    """History as strict JSON: a NaN (an epoch the logger skipped) is null,
+    which every JSON reader takes (bare NaN is not JSON)."""
     import json
+    import math
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = path + ".tmp"
+    plain = {k: [float(v) if math.isfinite(float(v)) else None for v in vals] for k, vals in obj.items()}
     with open(tmp, "w") as f:
-        json.dump({k: [float(v) for v in vals] for k, vals in obj.items()}, f)
+        json.dump(plain, f, allow_nan=False)
     os.replace(tmp, path)  # atomic: a kill leaves the old file or the new one
 
 

@@ -7,9 +7,10 @@ with a clear message when the file is not already cached.
 """
 
 import os
-import warnings
 
 import numpy as np
+
+from keras_geosam._checks import warn_at_caller
 
 # Inputs whose largest magnitude exceeds this are far from the [0, 1] or
 # standardised scale a freshly initialised network trains on: a warning.
@@ -24,7 +25,7 @@ class InputScalingWarning(UserWarning):
         *args: the message, as for any warning.
 
     Raises:
-        Nothing when created; ``warnings.warn`` issues it.
+        Nothing when created; the loaders issue it.
 
     Example:
 
@@ -210,11 +211,11 @@ def load_npz(path):
             raise ValueError(f"x_{split} holds NaN or Inf (or values beyond float32's range).")
         peak = float(np.max(np.abs(x)))
         if peak > SANE_MAGNITUDE:
-            warnings.warn(
+            warn_at_caller(
                 f"{path!r}: x_{split} has values of magnitude up to {peak:.4g}, far outside [0, 1] or a "
                 f"standardised range; a network trained on it may collapse or diverge. Scale it (e.g. divide "
                 f"pixels by 255, or standardise each feature).",
-                InputScalingWarning, stacklevel=2,
+                InputScalingWarning,
             )
         xs[split] = x
     if xs["train"].shape[1:] != xs["test"].shape[1:]:
@@ -263,9 +264,9 @@ def _scale_integer_pixels(x, key, path):
     if low < 0:
         return x  # signed integer features, not pixels: the range check judges them
     top = 255 if high <= 255 else int(np.iinfo(x.dtype).max)
-    warnings.warn(
+    warn_at_caller(
         f"{path!r}: {key} holds integers ({x.dtype}, {low}..{high}); read as pixels and divided by {top} "
         f"to [0, 1], as keras.datasets images are. Store float inputs to use them unscaled.",
-        InputScalingWarning, stacklevel=3,
+        InputScalingWarning,
     )
     return x.astype("float32") / np.float32(top)

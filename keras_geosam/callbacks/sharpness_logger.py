@@ -11,6 +11,7 @@ from keras_geosam import keras_internals
 from keras_geosam import sharpness
 from keras_geosam._checks import check_int
 from keras_geosam._checks import check_number
+from keras_geosam._checks import warn_at_caller
 from keras_geosam.curvature.functional import check_data
 from keras_geosam.curvature.functional import check_labels
 from keras_geosam.curvature.functional import model_functions
@@ -213,11 +214,10 @@ class SharpnessLogger(keras.callbacks.Callback):
         if self.budget is not None and backend.process_count() > 1:
             # Each process reads its own clock: their choices could differ,
             # and a log is a collective computation.
-            warnings.warn(
+            warn_at_caller(
                 f"SharpnessLogger: budget={self.budget:g} needs one clock, and {backend.process_count()} "
                 "processes each have theirs: logging every epoch. Pass every_n_epochs=k to log less often.",
                 RuntimeWarning,
-                stacklevel=2,
             )
             self.budget, self.every_n_epochs = None, 1
 
@@ -255,11 +255,10 @@ class SharpnessLogger(keras.callbacks.Callback):
             # callbacks after us keep their positions.
             callbacks.insert(0, callbacks.pop(callbacks.index(self)))
             return
-        warnings.warn(
+        warn_at_caller(
             "SharpnessLogger could not find Keras' callback list: callbacks placed before it "
             "in `callbacks=[...]` will not see its keys. Put it first.",
             RuntimeWarning,
-            stacklevel=2,
         )
 
     # --------------------------------------------------------- compute ----
@@ -327,7 +326,7 @@ class SharpnessLogger(keras.callbacks.Callback):
                     continue
                 warned.add(name)
                 text = f"SharpnessLogger, {self.prefix + name} (said once per fit; the '_ggn' and '_residual' keys follow it every epoch): {text}"
-            warnings.warn(text, w.category, stacklevel=3)
+            warn_at_caller(text, w.category)
 
     # -------------------------------------------------------- schedule ----
     def _due(self, epoch):

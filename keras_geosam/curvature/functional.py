@@ -14,6 +14,7 @@ import numpy as np
 from keras import ops
 
 from keras_geosam._checks import check_rematerialisation
+from keras_geosam._checks import warn_at_caller
 from keras_geosam.curvature.kernels import KernelCache
 from keras_geosam import backend
 from keras_geosam.curvature import probes as _probes
@@ -321,10 +322,9 @@ class ModelFunctions:
         options, built once. (A name string, the old form, still works and
         warns.)"""
         if isinstance(body, str):
-            import warnings
-
-            warnings.warn(f"ModelFunctions.kernel({body!r}) is deprecated: pass the body, "
-                          f"kernel(fns.{body}_body).", DeprecationWarning, stacklevel=2)
+            
+            warn_at_caller(f"ModelFunctions.kernel({body!r}) is deprecated: pass the body, "
+                          f"kernel(fns.{body}_body).", DeprecationWarning)
             body = getattr(self, body + "_body")
         return self._kernels.get(body, **static)
 

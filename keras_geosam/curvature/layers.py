@@ -44,7 +44,6 @@ the backend's vectorised map instead.
 
 import inspect
 import string
-import warnings
 import weakref
 
 import keras
@@ -52,6 +51,7 @@ import numpy as np
 from keras import ops
 
 from keras_geosam import keras_internals
+from keras_geosam._checks import warn_at_caller
 
 KFAC_APPROXIMATIONS = ("expand", "reduce")
 
@@ -564,10 +564,9 @@ def warn_diagonal_fallback(entries, what):
         return
     _WARNED.update((what, p) for p, _ in new)
     names = ", ".join(f"{p} {shape}" for p, shape in new)
-    warnings.warn(
+    warn_at_caller(
         f"{what}: no K-FAC rule covers {names} (a layer type or call the rules in "
-        "keras_geosam/curvature/layers.py do not know); each gets a diagonal block.",
-        stacklevel=3,
+        "keras_geosam/curvature/layers.py do not know); each gets a diagonal block."
     )
 
 

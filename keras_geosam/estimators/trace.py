@@ -19,11 +19,11 @@ product with S: ``(S z)^T A (S z)`` (``LinearOperator.quadratic_pair``).
 """
 
 import math
-import warnings
 
 import numpy as np
 from keras import ops
 
+from keras_geosam._checks import warn_at_caller
 from keras_geosam.curvature.kernels import KernelCache
 from keras_geosam._checks import check_int
 from keras_geosam._checks import check_number
@@ -131,21 +131,19 @@ def hutchinson(op, num_probes=10, rtol=None, max_probes=200, seed=0, shift=0.0, 
         projected = math.inf if target == 0 else n * (stderr / target) ** 2
         if min_probes <= n < max_probes and projected > max_probes:
             futility = {"probes": int(n), "projected": float(projected)}
-            warnings.warn(
+            warn_at_caller(
                 f"Hutchinson: relative standard error {stderr / max(abs(shift + total.mean()), 1e-300):.3g} "
                 f"above rtol={rtol} after {n} probes; reaching it would take about {projected:.3g} probes, "
                 f"more than max_probes={max_probes}, so it stopped there (futility; min_probes={min_probes} "
                 "turns this off when >= max_probes). The estimate reports its stderr.",
                 RuntimeWarning,
-                stacklevel=2,
             )
             break
         if n >= max_probes:
-            warnings.warn(
+            warn_at_caller(
                 f"Hutchinson: relative standard error {stderr / max(abs(shift + total.mean()), 1e-300):.3g} "
                 f"above rtol={rtol} after max_probes={max_probes} probes; the estimate reports its stderr.",
                 RuntimeWarning,
-                stacklevel=2,
             )
             break
     info = {"estimator": "hutchinson (Rademacher)", "rtol": rtol, "seed": seed}

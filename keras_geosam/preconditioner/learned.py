@@ -7,7 +7,6 @@ and the refresh. See ``objective.py`` for the refresh itself.
 """
 
 import time
-import warnings
 
 import keras
 from keras import ops
@@ -16,6 +15,7 @@ from keras_geosam import keras_internals
 from keras_geosam import backend
 from keras_geosam._checks import check_int as _check_int
 from keras_geosam._checks import check_number
+from keras_geosam._checks import warn_at_caller
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.operators.base import cast_to
 from keras_geosam.curvature.layers import is_convolutional
@@ -357,11 +357,10 @@ class LearnedPreconditioner:
         unroll = backend.slow_convolutions_in_loops and is_convolutional(model)
         if unroll and not self.__dict__.get("_told_unroll"):
             self._told_unroll = True
-            warnings.warn(
+            warn_at_caller(
                 f"LLQR: the {self.refresh_steps} inner steps of U's refresh are unrolled in the compiled "
                 "step, because XLA:CPU runs convolution kernel gradients about 10x slower inside a loop. "
-                "The first step takes longer to compile; every refresh after it runs faster.",
-                stacklevel=2,
+                "The first step takes longer to compile; every refresh after it runs faster."
             )
         return unroll
 

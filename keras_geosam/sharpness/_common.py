@@ -1,5 +1,6 @@
 """Shared argument checks and bookkeeping of the sharpness measures."""
 
+from keras_geosam._checks import warn_at_caller
 from keras_geosam.curvature.data import num_examples
 from keras_geosam.curvature.data import DEFAULT_BATCH_SIZE
 
@@ -38,12 +39,10 @@ def data_info(x, batch_size):
 
 
 def warn_if_tiny(x):
-    import warnings
-
+    
     if num_examples(x) < 2:
-        warnings.warn(
+        warn_at_caller(
             "A curvature estimate from a single example describes that example only; "
             "pass more data for a sharpness of the model.",
             UserWarning,
-            stacklevel=3,
         )

@@ -24,7 +24,6 @@ that count (``info["num_nonzero_fisher"]``) and the value per counted
 parameter (``info["normalized"]``), and a warning is issued.
 """
 
-import warnings
 
 import numpy as np
 from keras import ops
@@ -32,6 +31,7 @@ from keras import ops
 from keras_geosam._checks import check_int
 from keras_geosam._checks import check_number
 from keras_geosam._checks import renamed_arguments
+from keras_geosam._checks import warn_at_caller
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature.losses import require_likelihood
 from keras_geosam.curvature.operators.eigh import symmetric_eigh
@@ -248,7 +248,7 @@ def riemannian_sharpness(
     pl = is_piecewise_linear(model, link=fns.spec.likelihood.link)
     est.info["piecewise_linear"] = pl
     if pl and structure == "diagonal" and damping == 0 and kind == "exact":
-        warnings.warn(
+        warn_at_caller(
             f"{model.name} is piecewise linear in each parameter (ReLU-type "
             f"activations, no normalisation), so diag H equals the exact "
             f"Fisher diagonal and the undamped diagonal S_R equals the number "
@@ -257,7 +257,6 @@ def riemannian_sharpness(
             f"info['normalized'], use damping>0, structure='kfac' or "
             f"structure='exact' for an informative value.",
             UserWarning,
-            stacklevel=2,
         )
     return est
 

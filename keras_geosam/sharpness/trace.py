@@ -20,6 +20,7 @@ import numpy as np
 
 from keras_geosam._checks import check_int
 from keras_geosam._checks import check_number
+from keras_geosam._checks import warn_at_caller
 from keras_geosam.curvature.functional import model_functions
 from keras_geosam.curvature import weights
 from keras_geosam.curvature.functional import progbar
@@ -124,7 +125,7 @@ def split_trace(model, x, y, inverse=None, inverse_sqrt=None, num_probes=20, rto
         info["residual_warning"] = message
         # An unmet rtol stays a RuntimeWarning, as Hutchinson's own; a
         # resolved residual that outweighs the GGN part is a UserWarning.
-        warnings.warn(message, RuntimeWarning if not info["rtol_reached"] else UserWarning, stacklevel=3)
+        warn_at_caller(message, RuntimeWarning if not info["rtol_reached"] else UserWarning)
     return est
 
 

@@ -223,3 +223,19 @@ def test_help_states_the_damping_and_probe_data(monkeypatch):
     words = " ".join(seen[0].split())
     assert "(default: 0.1; the library's functions default to 1e-3)" in words
     assert "--probe-data {train,test}" in words and "(default: train)" in words
+
+
+def test_history_files_are_strict_json_with_null_for_skipped_epochs(tmp_path):
+    """An epoch the logger skipped holds NaN in Keras' history: the file
+    writes null (bare NaN is not JSON) and reading it back gives NaN."""
+    import json
+    import math
+
+    path = str(tmp_path / "h" / "history.json")
+    cli._write_json(path, {"loss": [0.5, 0.25], "hessian_trace": [3.0, float("nan")]})
+    with open(path) as f:
+        text = f.read()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert "NaN" not in text and json.loads(text)["hessian_trace"] == [3.0, None]
+    back = cli._read_json(path)
+    assert back["loss"] == [0.5, 0.25] and back["hessian_trace"][0] == 3.0 and math.isnan(back["hessian_trace"][1])
