@@ -125,6 +125,13 @@ def optimizer_step_counter(optimizer):
 
 
 
+def loss_weights(model):
+    """The ``loss_weights`` a model was compiled with (None, a float, or a
+    list or dict per output): kept only on its compiled loss object."""
+    compiled = getattr(model, "_compile_loss", None)
+    return None if compiled is None else getattr(compiled, "_user_loss_weights", None)
+
+
 def handle_non_finite_grads(loss_scale_optimizer):
     """A LossScaleOptimizer's reaction to a non-finite step (halve the
     scale, reset the counter): public only inside its own ``apply``."""
@@ -249,6 +256,7 @@ def checked_names():
         ("Optimizer._iterations", hasattr(opt, "_iterations")),
         ("LossScaleOptimizer._stateful_handle_non_finite_grads", hasattr(lso, "_stateful_handle_non_finite_grads")),
         ("LossFunctionWrapper._fn_kwargs", hasattr(loss, "_fn_kwargs")),
+        ("Model._compile_loss._user_loss_weights", hasattr(getattr(model, "_compile_loss", None), "_user_loss_weights")),
         ("keras.src.backend.common.masking.get_keras_mask",
          has_module_attr("keras.src.backend.common.masking", "get_keras_mask")),
         ("keras.distribution.ModelParallel._layout_map (constructor keyword layout_map)",

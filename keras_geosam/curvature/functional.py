@@ -20,6 +20,7 @@ from keras_geosam import backend
 from keras_geosam.curvature import probes as _probes
 from keras_geosam.curvature import likelihoods as _likelihoods
 from keras_geosam.curvature.layers import takes_training
+from keras_geosam.curvature.losses import JointSpec
 from keras_geosam.curvature.losses import require_classifier
 from keras_geosam.curvature.losses import require_likelihood
 from keras_geosam.curvature.losses import resolve_loss
@@ -118,7 +119,13 @@ class ModelFunctions:
         out = self.model.stateless_call(params, nt, x, return_losses=True, **kwargs)
         y_pred, _, losses = out
         if isinstance(y_pred, (list, tuple, dict)):
-            raise ValueError("keras_geosam curvature routines need a single-output model.")
+            if not isinstance(self.spec, JointSpec):
+                raise ValueError(
+                    f"The model has {len(keras.tree.flatten(y_pred))} outputs and one loss ({self.spec.name}): "
+                    "compile it with a loss per output (a list, or a dict by output name)."
+                )
+            # Several outputs: one flat vector per example (losses.JointSpec).
+            y_pred = self.spec.flatten_outputs(y_pred)
         return y_pred, losses
 
     def loss(self, params, nt, x, y, sw=None):
@@ -432,7 +439,8 @@ def check_data(x, y=None, labels_needed=True, sample_weight=None):
     for name, a in (("x", x), ("y", y), ("sample_weight", sample_weight)):
         if a is None:
             continue
-        items = input_arrays(a) if name == "x" else [a]
+        # x and y may be structures (several inputs; one label per output).
+        items = input_arrays(a) if name in ("x", "y") else [a]
         for item in items:
             if not hasattr(item, "shape") or not hasattr(item, "dtype"):
                 if name == "sample_weight" and isinstance(item, (list, tuple)):
@@ -449,8 +457,9 @@ def check_data(x, y=None, labels_needed=True, sample_weight=None):
     for item in input_arrays(x):
         if int(ops.shape(item)[0]) != n:
             raise ValueError(f"The inputs in x differ in length ({int(ops.shape(item)[0])} vs {n}).")
-    if y is not None and int(ops.shape(y)[0]) != n:
-        raise ValueError(f"x and y differ in length: {n} inputs, {int(ops.shape(y)[0])} labels.")
+    for item in [] if y is None else input_arrays(y):
+        if int(ops.shape(item)[0]) != n:
+            raise ValueError(f"x and y differ in length: {n} inputs, {int(ops.shape(item)[0])} labels.")
     if sample_weight is not None and len(sample_weight) != n:
         raise ValueError(f"x and sample_weight differ in length: {n} inputs, {len(sample_weight)} weights.")
     for item in input_arrays(x):
@@ -486,26 +495,36 @@ def check_labels(fns, x, y):
     finite."""
     check_inputs_fit(fns.model, x)
     check_label_shape(fns, x, y)
-    if y is not None and isinstance(fns.spec.likelihood, (_likelihoods.Bernoulli, _likelihoods.Gaussian)):
+    if y is None:
+        return
+    parts = getattr(fns.spec, "parts", None)
+    if parts is None:
+        _check_label_values(fns.spec, y, output_shape(fns, x)[-1])
+        return
+    for (key, spec, _), shape, yi in zip(parts, fns.spec._layout, fns.spec.labels(y)):
+        _check_label_values(spec, yi, shape[-1], f" of output {key!r}")
+
+
+def _check_label_values(spec, y, classes, where=""):
+    if isinstance(spec.likelihood, (_likelihoods.Bernoulli, _likelihoods.Gaussian)):
         targets = np.asarray(ops.convert_to_numpy(y), dtype="float64")
         if not np.all(np.isfinite(targets)):
-            raise ValueError(f"The targets y of the {fns.spec.name} hold NaN or Inf.")
-        if isinstance(fns.spec.likelihood, _likelihoods.Bernoulli) and targets.size and (targets.min() < 0 or targets.max() > 1):
+            raise ValueError(f"The targets y{where} of the {spec.name} hold NaN or Inf.")
+        if isinstance(spec.likelihood, _likelihoods.Bernoulli) and targets.size and (targets.min() < 0 or targets.max() > 1):
             raise ValueError(
-                f"Binary cross-entropy targets must lie in [0, 1] (a probability per output); got values in "
+                f"Binary cross-entropy targets{where} must lie in [0, 1] (a probability per output); got values in "
                 f"[{targets.min():g}, {targets.max():g}]."
             )
-    if y is None or not (fns.spec.classifier and fns.spec.sparse):
+    if not (spec.classifier and spec.sparse):
         return
     labels = np.asarray(ops.convert_to_numpy(y))
     if labels.size == 0:
         return
     if not np.issubdtype(labels.dtype, np.integer) and not np.all(np.mod(labels, 1) == 0):
-        raise ValueError("Sparse cross-entropy labels must be integers (class ids).")
-    classes = output_shape(fns, x)[-1]
+        raise ValueError(f"Sparse cross-entropy labels{where} must be integers (class ids).")
     low, high = labels.min(), labels.max()
     if low < 0 or high >= classes:
-        raise ValueError(f"Labels must lie in [0, {classes}) for this {classes}-class model; got values in [{low}, {high}].")
+        raise ValueError(f"Labels{where} must lie in [0, {classes}) for this {classes}-class model; got values in [{low}, {high}].")
 
 
 def progbar(total, verbose, name):

@@ -233,4 +233,81 @@ class Bernoulli(Likelihood):
         return (ops.transpose(target, (2, 0, 1)) - p[None]) / float(d**0.5)
 
 
+class Joint(Likelihood):
+    """Several outputs, each with its own likelihood, in one flat vector.
+
+    A multi-output model's loss is Keras' weighted sum ``sum_i w_i L_i``,
+    each ``L_i`` the mean of output i's loss terms, so its GGN is the
+    weighted sum of each output's. The outputs of one example are laid side
+    by side (``losses.JointSpec``): segment i holds ``T_i`` positions of
+    ``C_i`` outputs, and its per-example curvature is ``w_i / T_i`` times
+    its likelihood's ``Q`` at each position. Every method applies each
+    member to its segment and scales it: ``Q`` is block-diagonal.
+
+    Args:
+        segments: a callable returning ``[(offset, positions, classes,
+            likelihood, scale)]`` (known once the model has run).
+    """
+
+    name = "joint"
+
+    def __init__(self, segments):
+        super().__init__(True)
+        self._segments = segments
+
+    def __repr__(self):
+        return "Joint(...)"
+
+    def __eq__(self, other):
+        return self is other
+
+    def __hash__(self):
+        return id(self)
+
+    def _parts(self, z, lead):
+        """Each segment's slice of the last axis of `z`, as ``lead + (T_i,
+        C_i)``, with its member and scale."""
+        for offset, positions, classes, member, scale in self._segments():
+            part = z[..., offset:offset + positions * classes]
+            yield ops.reshape(part, lead + (positions, classes)), member, scale
+
+    def _join(self, parts, lead):
+        return ops.concatenate([ops.reshape(p, lead + (-1,)) for p in parts], axis=-1)
+
+    def hessian_product(self, z, w):
+        lead = tuple(int(d) for d in z.shape[:-1])
+        outs = [member.hessian_product(zs, ws) * scale
+                for (zs, member, scale), (ws, _, _) in zip(self._parts(z, lead), self._parts(w, lead))]
+        return self._join(outs, lead)
+
+    def quadratic(self, z, dz):
+        lead = tuple(int(d) for d in z.shape[:-1])
+        total = None
+        for (zs, member, scale), (ds, _, _) in zip(self._parts(z, lead), self._parts(dz, lead)):
+            q = ops.sum(member.quadratic(zs, ds), axis=-1) * scale
+            total = q if total is None else total + q
+        return total
+
+    def exact_factors(self, z, onehot):
+        lead = tuple(int(d) for d in z.shape[:-1])
+        hot = tuple(int(d) for d in onehot.shape[:-1])
+        outs = [member.exact_factors(zs, hs) * float(scale ** 0.5)
+                for (zs, member, scale), (hs, _, _) in zip(self._parts(z, lead), self._parts(onehot, hot))]
+        return self._join(outs, lead)
+
+    def sampled_factors(self, z, uniform, rows, draws):
+        m = int(z.shape[0])
+        segments = self._segments()
+        total_positions = sum(positions for _, positions, _, _, _ in segments)
+        outs, base = [], 0
+        for (zs, member, scale), (_, positions, _, _, _) in zip(self._parts(z, (m,)), segments):
+            # A draw row per (example, output, position), none shared.
+            ids = ops.arange(base, base + positions, dtype="int32")
+            seg_rows = ops.reshape(ops.add(ops.multiply(ops.cast(rows, "int32")[:, None], total_positions), ids[None]), (-1,))
+            c = member.sampled_factors(ops.reshape(zs, (m * positions, -1)), uniform, seg_rows, draws)
+            outs.append(ops.reshape(c, (int(c.shape[0]), m, -1)) * float(scale ** 0.5))
+            base += positions
+        return ops.concatenate(outs, axis=-1)
+
+
 FAMILIES = "categorical cross-entropy (sparse or one-hot), mean squared error (Gaussian), binary cross-entropy (Bernoulli)"

@@ -10,6 +10,7 @@ on probabilities. Anything else (MAE, Huber, hinge, custom losses) gets a
 import dataclasses
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_geosam import keras_internals
@@ -82,6 +83,141 @@ class LossSpec:
         return ops.log_softmax(self.logits(y_pred), axis=-1)
 
 
+class JointSpec:
+    """The loss of a model with several outputs: Keras' weighted sum.
+
+    ``L = sum_i w_i L_i`` over the outputs (``loss_weights``, 1 by
+    default), each ``L_i`` the mean of output i's loss terms (its own
+    :class:`LossSpec`). Curvature routines see one output: each example's
+    outputs flattened and laid side by side (``flatten_outputs``), with a
+    :class:`~keras_geosam.curvature.likelihoods.Joint` likelihood; labels
+    stay a list or dict like the outputs. Outputs with a Keras mask, and
+    sample weights per output, are refused (one ``(N,)`` sample weight
+    weighs every output's terms of an example, as in Keras).
+
+    Attributes:
+        parts: ``[(key, LossSpec, weight)]`` in the flattened order of the
+            model's outputs (``keras.tree.flatten``: list order, or sorted
+            names of a dict); `key` is the index or the name.
+    """
+
+    classifier = False
+    from_logits = False
+    sparse = False
+    squared_error = False
+
+    def __init__(self, parts):
+        self.parts = list(parts)
+        self.name = "weighted sum of " + ", ".join(f"{w:g} x {spec.name} ({k})" for k, spec, w in self.parts)
+        self._layout = None
+        missing = [f"{spec.name} ({k})" for k, spec, _ in self.parts if spec.likelihood is None]
+        self.likelihood = None if missing else likelihoods.Joint(self.segments)
+        if missing:
+            self.name += f"; no likelihood for {', '.join(missing)}"
+
+    # Layout -----------------------------------------------------------
+    def flatten_outputs(self, y_pred):
+        """``(N, D)``: each example's outputs reshaped and concatenated, in
+        the order of ``parts``; records their shapes (the layout)."""
+        leaves = keras.tree.flatten(y_pred)
+        if len(leaves) != len(self.parts):
+            raise ValueError(f"The model has {len(leaves)} outputs and the loss {len(self.parts)} parts.")
+        if any(keras_internals.keras_mask(leaf) is not None for leaf in leaves):
+            raise ValueError(
+                "keras_geosam curvature routines do not take Keras masks on a model with several outputs; "
+                "pass the padding as sample_weight of a single-output model, or drop mask_zero."
+            )
+        self._layout = [tuple(int(d) for d in leaf.shape[1:]) for leaf in leaves]
+        n = ops.shape(leaves[0])[0]
+        return ops.concatenate([ops.reshape(leaf, (n, -1)) for leaf in leaves], axis=-1)
+
+    def split(self, flat):
+        """The outputs back from ``(N, D)``, one tensor per part."""
+        if self._layout is None:
+            raise ValueError("The model has not been run yet: its outputs' shapes are unknown.")
+        out, offset = [], 0
+        n = ops.shape(flat)[0]
+        for shape in self._layout:
+            size = int(np.prod(shape, dtype=np.int64))
+            out.append(ops.reshape(flat[:, offset:offset + size], (n,) + shape))
+            offset += size
+        return out
+
+    def segments(self):
+        """``[(offset, positions, classes, likelihood, scale)]`` per part:
+        scale ``w_i / positions``, the weight of each of its loss terms."""
+        out, offset = [], 0
+        for (_, spec, weight), shape in zip(self.parts, self._layout):
+            positions, classes = int(np.prod(shape[:-1], dtype=np.int64)), int(shape[-1])
+            out.append((offset, positions, classes, spec.likelihood, weight / positions))
+            offset += positions * classes
+        return out
+
+    def labels(self, y):
+        """`y` as one label per part (a list or tuple in order, or a dict by
+        output name)."""
+        if isinstance(y, dict):
+            missing = [k for k, _, _ in self.parts if k not in y]
+            if missing:
+                raise ValueError(f"y is a dict without labels for the output(s) {missing}.")
+            return [y[k] for k, _, _ in self.parts]
+        if isinstance(y, (list, tuple)) and len(y) == len(self.parts):
+            return list(y)
+        raise ValueError(
+            f"A model with {len(self.parts)} outputs needs its labels as a list of {len(self.parts)} arrays "
+            f"or a dict by output name ({[k for k, _, _ in self.parts]}); got {type(y).__name__}."
+        )
+
+    # The LossSpec interface, on flattened outputs ---------------------
+    def per_example(self, y, flat):
+        """``(N,)``: ``sum_i w_i`` times the mean of example n's terms of
+        output i."""
+        total = None
+        for (_, spec, weight), yi, pred in zip(self.parts, self.labels(y), self.split(flat)):
+            values = spec.per_example(yi, pred)
+            values = ops.reshape(values, (ops.shape(values)[0], -1))
+            term = ops.sum(values, axis=1) * (weight / int(values.shape[1]))
+            total = term if total is None else total + term
+        return total
+
+    def logits(self, flat):
+        parts = [spec.logits(p) for (_, spec, _), p in zip(self.parts, self.split(flat))]
+        n = ops.shape(flat)[0]
+        return ops.concatenate([ops.reshape(p, (n, -1)) for p in parts], axis=-1)
+
+    def outputs_from_logits(self, z):
+        parts = [spec.outputs_from_logits(p) for (_, spec, _), p in zip(self.parts, self.split(z))]
+        n = ops.shape(z)[0]
+        return ops.concatenate([ops.reshape(p, (n, -1)) for p in parts], axis=-1)
+
+
+def _joint(model, loss):
+    """A :class:`JointSpec` for `loss`, a list or dict with one loss per
+    output of `model`, weighted by the compiled ``loss_weights``."""
+    names = list(getattr(model, "output_names", None) or [])
+    weights = keras_internals.loss_weights(model) if loss is getattr(model, "loss", None) else None
+    if isinstance(loss, dict):
+        keys = sorted(loss)  # keras.tree.flatten's order of a dict of outputs
+        if names and set(keys) != set(names):
+            raise ValueError(f"The loss names the outputs {keys}; the model's are {names}.")
+    else:
+        keys = list(range(len(loss)))
+    parts = []
+    for k in keys:
+        w = 1.0
+        if isinstance(weights, dict):
+            w = weights.get(k, 1.0)
+        elif isinstance(weights, (list, tuple)):
+            w = weights[k] if isinstance(k, int) else weights[names.index(k)]
+        elif weights is not None:
+            w = weights
+        part = loss[k]
+        if part is None:
+            raise ValueError(f"Output {k!r} has no loss: curvature needs one loss per output.")
+        parts.append((names[k] if isinstance(k, int) and k < len(names) else k, resolve_loss(None, part), float(w)))
+    return JointSpec(parts)
+
+
 def resolve_loss(model, loss=None):
     """The model's compiled loss (or ``loss``) as a :class:`LossSpec`.
 
@@ -120,10 +256,9 @@ def resolve_loss(model, loss=None):
                 "pass `loss=` explicitly."
             )
     if isinstance(loss, (list, tuple, dict)):
-        raise ValueError(
-            "keras_geosam curvature routines support single-output models with "
-            f"one loss; got {loss!r}."
-        )
+        if len(loss) == 1:
+            return resolve_loss(model, next(iter(loss.values())) if isinstance(loss, dict) else loss[0])
+        return _joint(model, loss)
     if isinstance(loss, str):
         obj = keras.losses.get(loss)
         if obj is None:

@@ -10,6 +10,7 @@ Layers run in inference mode unless ``training=True``. ``hvp`` and ``ggnvp``
 are one product of the :class:`Hessian` and :class:`GGN` operators.
 """
 
+import keras
 from keras import ops
 
 from keras_geosam._checks import check_int
@@ -490,6 +491,6 @@ def _concat(fns, kernel, x, y, batch_size, weights=None):
     slices = token_weights.batch_slices(weights, num_examples(x), batch_size, _dtype(fns))
     for (xb, yb, _), swb in zip(batches(x, y, batch_size), slices):
         args = () if swb is None else (swb,)
-        out = kernel(fns.params(), fns.non_trainable(), xb, ops.convert_to_tensor(yb), *args)
+        out = kernel(fns.params(), fns.non_trainable(), xb, keras.tree.map_structure(ops.convert_to_tensor, yb), *args)
         parts = [[o] for o in out] if parts is None else [p + [o] for p, o in zip(parts, out)]
     return [ops.concatenate(p, axis=0) if len(p) > 1 else p[0] for p in parts]

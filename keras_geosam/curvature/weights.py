@@ -96,9 +96,19 @@ def check_label_shape(fns, x, y):
     if y is None or fns.spec.likelihood is None:
         return
     out = output_shape(fns, x)
+    parts = getattr(fns.spec, "parts", None)
+    if parts is None:
+        _check_label_shape(fns.spec, out, y)
+        return
+    # Several outputs (losses.JointSpec): each label against its output.
+    for (key, spec, _), shape, yi in zip(parts, fns.spec._layout, fns.spec.labels(y)):
+        _check_label_shape(spec, (out[0],) + shape, yi, f" of output {key!r}")
+
+
+def _check_label_shape(spec, out, y, where=""):
     got = tuple(int(d) for d in ops.shape(y))
     pos = positions(out)
-    if fns.spec.classifier and fns.spec.sparse:
+    if spec.classifier and spec.sparse:
         ok = got[1:] == pos or got[1:] == pos + (1,)
         want = f"{(got[0],) + pos}"
     else:
@@ -108,7 +118,7 @@ def check_label_shape(fns, x, y):
     if not ok:
         what = "sequence length" if pos or len(got) > 2 else "shape"
         raise ValueError(
-            f"Labels y of shape {got} do not fit the model's outputs {out} (labels should be {want}): "
+            f"Labels y{where} of shape {got} do not fit the model's outputs {out} (labels should be {want}): "
             f"x and y differ in {what}."
         )
 
