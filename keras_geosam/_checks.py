@@ -8,25 +8,32 @@ such as "no tolerance").
 """
 
 import functools
+import inspect
 import numbers
 import os
 import sys
 import warnings
 
-import keras
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
-# Frames in these directories are the package's or Keras' own (fit, its
-# callbacks): a warning is attributed to the first frame outside them.
-_OWN_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (sys.modules[__name__.rsplit(".", 1)[0]], keras))
+
+def _own_dirs():
+    # Keras' directory only once Keras is imported (the study's parser runs
+    # without it): before that no frame can be Keras'.
+    keras = sys.modules.get("keras")
+    extra = () if keras is None else (os.path.dirname(os.path.abspath(keras.__file__)) + os.sep,)
+    return (_PACKAGE_DIR,) + extra
 
 
 def warn_at_caller(message, category=UserWarning):
     """``warnings.warn`` pointed at the user's line: the first frame
     outside keras_geosam and Keras (a ``model.fit(...)`` call for a warning
     raised by a callback), whatever the depth it is raised at."""
-    frame, level = sys._getframe(1), 2
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_OWN_DIRS):
+    own = _own_dirs()
+    frame, level = inspect.currentframe().f_back, 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(own):
         frame, level = frame.f_back, level + 1
+    del frame  # frames hold their locals alive
     warnings.warn(message, category, stacklevel=level)
 
 

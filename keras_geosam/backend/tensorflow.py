@@ -341,19 +341,25 @@ def per_example_grads(f, params, *batch):
         return value_and_grad(f, params, *[one_example(e) for e in example])[1]
 
     batch = tuple(batch)
-    traced, batch_matmul = _one_example_grad(f, params, batch)
-    if not batch_matmul:
+    traced, unvectorisable = _one_example_grad(f, params, batch)
+    if not unvectorisable:
         return tf.vectorized_map(one, batch, fallback_to_while_loop=True)
     # pfor's vectorisation of a batched matmul's gradient (tf.einsum lowers
     # to BatchMatMulV2: EinsumDense, MultiHeadAttention) corrupts the heap
     # (TF 2.21 CPU: "free(): invalid pointer", a segfault or an abort a few
-    # ops later): a loop over the examples instead, one gradient each, the
-    # body a call of the function traced once.
+    # ops later), and that of a recurrent layer's while loop fails ("dtype
+    # variant is not compatible", its TensorList state): a loop over the
+    # examples instead, one gradient each, the body a call of the function
+    # traced once.
     signature = [tf.TensorSpec(p.shape, p.dtype) for p in params]
     return tf.map_fn(lambda example: traced(list(params), example), batch, fn_output_signature=signature)
 
 
 _BATCH_MATMUL = ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum")
+# A recurrent layer (LSTM, GRU, SimpleRNN, Bidirectional) runs a while loop
+# whose state pfor cannot vectorise.
+_LOOPS = ("While", "StatelessWhile")
+_UNVECTORISABLE = _BATCH_MATMUL + _LOOPS
 # The last function traced by `_one_example_grad`: the exact Fisher asks for
 # per-example gradients of the same `f` once per class, and tracing a
 # Transformer's gradient each time cost minutes.
@@ -361,9 +367,10 @@ _LAST_TRACED = {}
 
 
 def _one_example_grad(f, params, batch):
-    """``(traced, has_batch_matmul)``: the gradient of `f` for one example
+    """``(traced, unvectorisable)``: the gradient of `f` for one example
     as a concrete function of ``(params, example)``, and whether it contains
-    a batched matmul (in its graph or a function it calls)."""
+    a batched matmul or a while loop (in its graph or a function it
+    calls)."""
     specs = (
         tuple(tf.TensorSpec(p.shape, p.dtype) for p in params),
         tf.nest.map_structure(lambda a: tf.TensorSpec(a.shape[1:], a.dtype), batch),
@@ -377,10 +384,10 @@ def _one_example_grad(f, params, batch):
 
     traced = tf.function(grad).get_concrete_function(list(specs[0]), specs[1])
     graph = traced.graph
-    found = any(op.type in _BATCH_MATMUL for op in graph.get_operations())
+    found = any(op.type in _UNVECTORISABLE for op in graph.get_operations())
     if not found:
         library = graph.as_graph_def().library
-        found = any(node.op in _BATCH_MATMUL for fn in library.function for node in fn.node_def)
+        found = any(node.op in _UNVECTORISABLE for fn in library.function for node in fn.node_def)
     _LAST_TRACED.update(f=f, key=key, traced=traced, batch_matmul=found)
     return traced, found
 

@@ -501,7 +501,7 @@ def check_labels(fns, x, y):
     if parts is None:
         _check_label_values(fns.spec, y, output_shape(fns, x)[-1])
         return
-    for (key, spec, _), shape, yi in zip(parts, fns.spec._layout, fns.spec.labels(y)):
+    for (key, spec, _), shape, yi in zip(parts, fns.spec.output_shapes, fns.spec.labels(y)):
         _check_label_values(spec, yi, shape[-1], f" of output {key!r}")
 
 

@@ -109,7 +109,7 @@ class JointSpec:
     def __init__(self, parts):
         self.parts = list(parts)
         self.name = "weighted sum of " + ", ".join(f"{w:g} x {spec.name} ({k})" for k, spec, w in self.parts)
-        self._layout = None
+        self.output_shapes = None
         missing = [f"{spec.name} ({k})" for k, spec, _ in self.parts if spec.likelihood is None]
         self.likelihood = None if missing else likelihoods.Joint(self.segments)
         if missing:
@@ -127,17 +127,17 @@ class JointSpec:
                 "keras_geosam curvature routines do not take Keras masks on a model with several outputs; "
                 "pass the padding as sample_weight of a single-output model, or drop mask_zero."
             )
-        self._layout = [tuple(int(d) for d in leaf.shape[1:]) for leaf in leaves]
+        self.output_shapes = [tuple(int(d) for d in leaf.shape[1:]) for leaf in leaves]
         n = ops.shape(leaves[0])[0]
         return ops.concatenate([ops.reshape(leaf, (n, -1)) for leaf in leaves], axis=-1)
 
     def split(self, flat):
         """The outputs back from ``(N, D)``, one tensor per part."""
-        if self._layout is None:
+        if self.output_shapes is None:
             raise ValueError("The model has not been run yet: its outputs' shapes are unknown.")
         out, offset = [], 0
         n = ops.shape(flat)[0]
-        for shape in self._layout:
+        for shape in self.output_shapes:
             size = int(np.prod(shape, dtype=np.int64))
             out.append(ops.reshape(flat[:, offset:offset + size], (n,) + shape))
             offset += size
@@ -147,7 +147,7 @@ class JointSpec:
         """``[(offset, positions, classes, likelihood, scale)]`` per part:
         scale ``w_i / positions``, the weight of each of its loss terms."""
         out, offset = [], 0
-        for (_, spec, weight), shape in zip(self.parts, self._layout):
+        for (_, spec, weight), shape in zip(self.parts, self.output_shapes):
             positions, classes = int(np.prod(shape[:-1], dtype=np.int64)), int(shape[-1])
             out.append((offset, positions, classes, spec.likelihood, weight / positions))
             offset += positions * classes

@@ -101,7 +101,7 @@ def check_label_shape(fns, x, y):
         _check_label_shape(fns.spec, out, y)
         return
     # Several outputs (losses.JointSpec): each label against its output.
-    for (key, spec, _), shape, yi in zip(parts, fns.spec._layout, fns.spec.labels(y)):
+    for (key, spec, _), shape, yi in zip(parts, fns.spec.output_shapes, fns.spec.labels(y)):
         _check_label_shape(spec, (out[0],) + shape, yi, f" of output {key!r}")
 
 
