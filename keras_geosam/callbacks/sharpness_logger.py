@@ -36,6 +36,27 @@ _METRICS = {
 }
 
 
+# Keys the progress bar leaves out (History keeps them): each metric's
+# value and stderr are what a progress line has room for.
+_DETAIL = ("_ggn", "_ggn_stderr", "_residual", "_residual_stderr", "_normalized", "_stderr_given_metric")
+
+
+def _print_short(progbar):
+    """Has Keras' progress bar print each epoch without the logger's detail
+    keys (the parts, normalised values, flags), which made its lines about
+    900 characters long; ``fit``'s History gets every key."""
+    if getattr(progbar, "_kg_short", False):
+        return
+    full = progbar.on_epoch_end
+
+    def on_epoch_end(epoch, logs=None):
+        logs = {k: v for k, v in (logs or {}).items() if not k.endswith(_DETAIL)}
+        return full(epoch, logs)
+
+    progbar.on_epoch_end = on_epoch_end
+    progbar._kg_short = True
+
+
 class SharpnessLogger(keras.callbacks.Callback):
     """Adds sharpness measures and their standard errors to the epoch ``logs``.
 
@@ -56,7 +77,9 @@ class SharpnessLogger(keras.callbacks.Callback):
     ``max_exact_classes``) and drawn once, its stderr is given that metric
     and ``..._stderr_given_metric`` holds 1 (ask for ``metric_draws`` in
     `options` for a stderr that covers it). On epochs it skips the keys
-    hold NaN, so every epoch has the same columns.
+    hold NaN, so every epoch has the same columns. Keras' progress bar
+    prints each metric's value and stderr only; ``fit``'s History holds
+    every key.
 
     Which epochs it logs: by default a time budget. It logs the first epoch
     and the last one of ``fit``, and in between an epoch only if, with
@@ -254,6 +277,9 @@ class SharpnessLogger(keras.callbacks.Callback):
             # Safe while the list iterates over us: we leave index i, the
             # callbacks after us keep their positions.
             callbacks.insert(0, callbacks.pop(callbacks.index(self)))
+            for callback in callbacks:
+                if isinstance(callback, keras.callbacks.ProgbarLogger):
+                    _print_short(callback)
             return
         warn_at_caller(
             "SharpnessLogger could not find Keras' callback list: callbacks placed before it "

@@ -493,3 +493,18 @@ def test_preconditioner_refresh_takes_a_two_input_models_list():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="differ in length"):
         kg.callbacks.PreconditionerRefresh([x1, x2[:5]], y)
+
+
+def test_progress_lines_print_values_and_stderrs_and_history_keeps_every_key(capsys):
+    x, y = _data()
+    model = _model()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    logger = SharpnessLogger(x, y, every_n_epochs=1, num_probes=2, rtol=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        history = model.fit(x, y, epochs=2, verbose=2, callbacks=[logger], validation_data=(x, y)).history
+    lines = [line for line in capsys.readouterr().out.splitlines() if "loss" in line]
+    assert lines and all("riemannian_sharpness_stderr" in line for line in lines)
+    assert not any("_ggn" in line or "_residual" in line or "_normalized" in line for line in lines)
+    assert max(len(line) for line in lines) <= 220, max(lines, key=len)
+    assert {"hessian_trace_ggn", "riemannian_sharpness_residual_stderr", "riemannian_sharpness_normalized"} <= set(history)

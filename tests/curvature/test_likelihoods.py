@@ -255,3 +255,32 @@ def test_a_regressor_and_binary_classifiers_train_and_log_every_riemannian_measu
         logged = [v for v in history[m] if not np.isnan(v)]
         assert len(logged) == 2 and np.all(np.isfinite(logged)), (m, history[m])
     assert all(np.isfinite(v) for v in history["riemannian_sharpness_stderr"] if not np.isnan(v))
+
+
+@pytest.mark.parametrize("family", ["gaussian", "bernoulli"])
+def test_sequence_outputs_count_every_position_as_a_loss_term(family):
+    """Outputs (N, T, d): Keras' loss is the mean over all N T positions, so
+    the GGN is the reference's over the N T tokens taken as examples; the
+    MC draws are per (example, position, output)."""
+    rng = np.random.default_rng(9)
+    T, d = 3, 2
+    model = keras.Sequential([keras.Input((T, D_IN)), keras.layers.Dense(HIDDEN, activation="sigmoid"), keras.layers.Dense(d)])
+    for v in model.trainable_variables:
+        v.assign(rng.normal(size=v.shape))
+    model.compile(loss="mse" if family == "gaussian" else keras.losses.BinaryCrossentropy(from_logits=True))
+    x = rng.normal(size=(6, T, D_IN))
+    y = rng.normal(size=(6, T, d)) if family == "gaussian" else (rng.uniform(size=(6, T, d)) < 0.5).astype("float64")
+
+    def tokens(p, xs):
+        return (1.0 / (1.0 + jnp.exp(-(xs @ p[0] + p[1])))) @ p[2] + p[3]
+
+    weights = [ref.to_numpy(v.value) for v in model.trainable_variables]
+    flat = ref.LikelihoodReference(family, tokens, weights, x.reshape(-1, D_IN), y.reshape(-1, d))
+    assert rel(kg.curvature.GGN(model, x).to_dense(), flat.ggn()) < TOL
+    assert rel(kg.curvature.Hessian(model, x, y).to_dense(), flat.hessian()) < TOL
+    # A draw covers an example's positions together (cross-position terms
+    # vanish in expectation only): sum each example's token products first.
+    v = np.einsum("mkp,smk->smp", flat.logits_jacobian(), flat.mc_factors(2, seed=4))
+    per_example = v.reshape(2, 6, T, -1).sum(axis=2) / np.sqrt(T)
+    mc = np.einsum("snp,snq->pq", per_example, per_example) / (6 * 2)
+    assert rel(kg.curvature.GGN(model, x, kind="mc", num_samples=2, seed=4).to_dense(), mc) < TOL
