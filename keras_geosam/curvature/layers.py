@@ -487,6 +487,89 @@ class LayerNormRule(Rule):
         return out
 
 
+class DepthwiseConvRule(ConvRule):
+    """``DepthwiseConv1D/2D``: each input channel c is convolved with its own
+    ``depth_multiplier`` filters, so example n's kernel gradient is ``g[k,
+    c, m] = sum_t patch_nt[k, c] delta_nt[c, m]`` (k the window offset):
+    exact per-example gradients from the layer's input patches and output
+    gradients, never a vectorised backward pass through the network. Its
+    curvature block is diagonal (documented; no Kronecker factors)."""
+
+    def __init__(self, layer):
+        super().__init__(layer)
+        self.kernel, self.split = None, None
+        self.depthwise = layer.kernel if layer.kernel.trainable else None
+
+    def _depthwise_grads(self, rec, delta, kernel_shape):
+        """``(k, N) + kernel_shape`` from the layer's input and deltas
+        ``(k, N, ..., C * M)`` at its depthwise output."""
+        a = self.rows(rec)  # (N, T, K * C): window offsets major, channels minor
+        channels, mult = int(kernel_shape[-2]), int(kernel_shape[-1])
+        a = ops.reshape(a, tuple(ops.shape(a)[:2]) + (-1, channels))
+        d = ops.cast(self._channels_last(delta, 2), a.dtype)
+        d = ops.reshape(d, (int(d.shape[0]), int(d.shape[1]), -1, channels, mult))
+        g = ops.einsum("ntkc,jntcm->jnkcm", a, d)
+        return ops.reshape(g, tuple(g.shape[:2]) + tuple(kernel_shape))
+
+    def small_grads(self, rec, delta):
+        out = {}
+        if self.depthwise is not None:
+            out[id(self.depthwise)] = self._depthwise_grads(rec, delta, tuple(self.depthwise.shape))
+        out.update(Rule.small_grads(self, rec, delta))  # the bias
+        return out
+
+
+class SeparableConvRule(DepthwiseConvRule):
+    """``SeparableConv1D/2D``: a depthwise convolution, then a 1x1
+    (pointwise) one. The pointwise kernel's per-example gradient is ``sum_t
+    h_nt delta_nt^T`` with h the depthwise output (recomputed from the
+    recorded input); the depthwise kernel's follows from the deltas pulled
+    back through the pointwise kernel. Diagonal blocks for both."""
+
+    def __init__(self, layer):
+        Rule.__init__(self, layer)
+        self.kernel, self.split = None, None
+        dw, pw = layer.depthwise_kernel, layer.pointwise_kernel
+        self.depthwise = dw if dw.trainable else None
+        self.pointwise = pw if pw.trainable else None
+
+    def _all_variables(self):
+        layer = self.layer
+        return [layer.depthwise_kernel, layer.pointwise_kernel, getattr(layer, "bias", None)]
+
+    def record_call(self, inputs, args, kwargs):
+        layer = self.layer
+        hidden = ops.depthwise_conv(inputs, layer.depthwise_kernel, strides=layer.strides, padding=layer.padding,
+                                    data_format=layer.data_format, dilation_rate=layer.dilation_rate)
+        return inputs, self._channels_last(hidden, 1), ops.convert_to_tensor(layer.pointwise_kernel)
+
+    def small_grads(self, rec, delta):
+        inputs, hidden, pointwise = rec
+        d = ops.cast(self._channels_last(delta, 2), hidden.dtype)  # (k, N, ..., F)
+        k, n, f = int(d.shape[0]), int(d.shape[1]), int(d.shape[-1])
+        rows = ops.reshape(d, (k, n, -1, f))
+        h = ops.reshape(hidden, (n, -1, int(hidden.shape[-1])))
+        w = ops.reshape(ops.cast(pointwise, d.dtype), (-1, f))  # (C * M, F)
+        out = {}
+        if self.pointwise is not None:
+            g = ops.einsum("ntc,jntf->jncf", h, rows)
+            out[id(self.pointwise)] = ops.reshape(g, (k, n) + tuple(self.pointwise.shape))
+        if self.depthwise is not None:
+            back = ops.einsum("jntf,cf->jntc", rows, w)  # deltas at the depthwise output
+            back = ops.reshape(back, (k, n) + tuple(int(s) for s in hidden.shape[1:]))
+            if self.layer.data_format != "channels_last":
+                back = ops.moveaxis(back, -1, 2)
+            out[id(self.depthwise)] = self._depthwise_grads(inputs, back, tuple(self.depthwise.shape))
+        bias = getattr(self.layer, "bias", None)
+        if bias is not None and bias.trainable:
+            out[id(bias)] = ops.sum(rows, axis=2)
+        return out
+
+
+_DEPTHWISE = tuple(getattr(keras.layers, n) for n in ("DepthwiseConv1D", "DepthwiseConv2D") if hasattr(keras.layers, n))
+_SEPARABLE = tuple(getattr(keras.layers, n) for n in ("SeparableConv1D", "SeparableConv2D") if hasattr(keras.layers, n))
+
+
 def rule_for(layer, training=False):
     """The rule covering `layer`, or None."""
     if not layer.trainable or not layer.trainable_variables:
@@ -504,6 +587,10 @@ def rule_for(layer, training=False):
         if rank is not None and EinsumDenseRule.roles(layer, rank) is not None:
             return EinsumDenseRule(layer)
         return None
+    if isinstance(layer, _DEPTHWISE) and type(layer).call in {c.call for c in _DEPTHWISE}:
+        return DepthwiseConvRule(layer)
+    if isinstance(layer, _SEPARABLE) and type(layer).call in {c.call for c in _SEPARABLE}:
+        return SeparableConvRule(layer)
     if isinstance(layer, keras.layers.Embedding) and type(layer).call is keras.layers.Embedding.call:
         return EmbeddingRule(layer)
     if isinstance(layer, keras.layers.LayerNormalization) and type(layer).call is keras.layers.LayerNormalization.call:

@@ -47,10 +47,15 @@ def _eps(dtype):
 
 
 def spectral(values, damping, power, rcond):
-    """``(values + damping)^-power`` where above ``rcond * max``, else 0."""
+    """``(values + damping)^-power`` where above ``rcond * max``, else 0.
+
+    Values whose inverse would overflow count as zero too: a block of
+    rounding-level curvature (products of two tiny Kronecker factors
+    underflow to denormals in float32) would otherwise invert to Inf."""
     shifted = values + scalar(damping, values.dtype)
     cutoff = scalar(rcond, values.dtype) * ops.maximum(ops.max(shifted), scalar(0.0, values.dtype))
-    keep = ops.greater(shifted, cutoff)
+    edge = 1.0 / float(np.finfo(keras.backend.standardize_dtype(values.dtype)).max) if power == 1 else 0.0
+    keep = ops.logical_and(ops.greater(shifted, cutoff), ops.greater(shifted, scalar(edge, values.dtype)))
     safe = ops.where(keep, shifted, ops.ones_like(shifted))
     scaled = 1.0 / safe if power == 1 else 1.0 / ops.sqrt(safe)
     return ops.where(keep, scaled, ops.zeros_like(shifted))
@@ -147,7 +152,8 @@ class Diagonal(_Spectral, LinearOperator):
 
     def masked(self, keep):
         """This operator where `keep` (a scalar boolean tensor), else zero."""
-        return Diagonal([v * ops.cast(keep, v.dtype) for v in self.values])
+        # where, not a product: a masked block's Inf must not become NaN.
+        return Diagonal([ops.where(keep, v, ops.zeros_like(v)) for v in self.values])
 
     def _spectral(self, damping, relative, power, rcond):
         out = []
@@ -454,9 +460,9 @@ class EKFAC(_Spectral, LinearOperator):
         return ops.max(self.s) if self.null is None else ops.max(ops.stack([ops.max(self.s), self.null]))
 
     def masked(self, keep):
-        keep = ops.cast(keep, self.s.dtype)
-        null = None if self.null is None else self.null * keep
-        return EKFAC(self.QA, self.QG, self.s * keep, self.shapes[0], self.split, self.orthogonal, null)
+        zero = lambda v: ops.where(keep, v, ops.zeros_like(v))  # noqa: E731 (no Inf * 0 = NaN)
+        null = None if self.null is None else zero(self.null)
+        return EKFAC(self.QA, self.QG, zero(self.s), self.shapes[0], self.split, self.orthogonal, null)
 
     def _spectral(self, damping, relative, power, rcond):
         if not self.orthogonal:
