@@ -46,11 +46,15 @@ class Likelihood:
     def __init__(self, from_logits=True):
         self.from_logits = bool(from_logits)
 
+    # The activation that turns z into the probabilities the loss may read.
+    probability_link = None
+
     @property
     def link(self):
         """The output activation the loss reads as probabilities (it
-        belongs to the loss, not the network), or None."""
-        return None
+        belongs to the loss, not the network), or None (logits, or no
+        probabilities)."""
+        return None if self.from_logits else self.probability_link
 
     def __repr__(self):
         return f"{type(self).__name__}(from_logits={self.from_logits})"
@@ -73,12 +77,12 @@ class Likelihood:
     # Curvature -------------------------------------------------------
     def hessian_product(self, z, w):
         """``Q(z) w`` for every token (last axis: outputs)."""
-        raise NotImplementedError
+        return self.hessian_at(z)(w)
 
     def hessian_at(self, z):
         """``w -> Q(z) w``, with what depends on `z` alone computed once
         (LLQR's refresh applies it at every inner step)."""
-        return lambda w: self.hessian_product(z, w)
+        raise NotImplementedError
 
     def quadratic(self, z, dz):
         """``dz^T Q(z) dz`` for every token: shape ``z.shape[:-1]``."""
@@ -111,9 +115,7 @@ class Categorical(Likelihood):
 
     name = "categorical"
 
-    @property
-    def link(self):
-        return None if self.from_logits else "softmax"
+    probability_link = "softmax"
 
     def natural(self, y_pred):
         if self.from_logits:
@@ -127,9 +129,6 @@ class Categorical(Likelihood):
     @staticmethod
     def probs(z):
         return ops.exp(ops.log_softmax(z, axis=-1))
-
-    def hessian_product(self, z, w):
-        return self.hessian_at(z)(w)
 
     def hessian_at(self, z):
         p = self.probs(z)
@@ -170,8 +169,9 @@ class Gaussian(Likelihood):
     def __init__(self, from_logits=True):
         super().__init__(True)
 
-    def hessian_product(self, z, w):
-        return w * (2.0 / int(z.shape[-1]))
+    def hessian_at(self, z):
+        scale = 2.0 / int(z.shape[-1])
+        return lambda w: w * scale
 
     def exact_factors(self, z, onehot):
         return ops.zeros_like(z) + onehot * float((2.0 / int(z.shape[-1])) ** 0.5)
@@ -199,9 +199,7 @@ class Bernoulli(Likelihood):
 
     name = "bernoulli"
 
-    @property
-    def link(self):
-        return None if self.from_logits else "sigmoid"
+    probability_link = "sigmoid"
 
     def natural(self, y_pred):
         if self.from_logits:
@@ -212,9 +210,6 @@ class Bernoulli(Likelihood):
 
     def outputs(self, z):
         return z if self.from_logits else ops.sigmoid(z)
-
-    def hessian_product(self, z, w):
-        return self.hessian_at(z)(w)
 
     def hessian_at(self, z):
         p = ops.sigmoid(z)
