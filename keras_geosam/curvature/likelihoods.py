@@ -269,11 +269,15 @@ class Joint(Likelihood):
     def _join(self, parts, lead):
         return ops.concatenate([ops.reshape(p, lead + (-1,)) for p in parts], axis=-1)
 
-    def hessian_product(self, z, w):
+    def hessian_at(self, z):
         lead = tuple(int(d) for d in z.shape[:-1])
-        outs = [member.hessian_product(zs, ws) * scale
-                for (zs, member, scale), (ws, _, _) in zip(self._parts(z, lead), self._parts(w, lead))]
-        return self._join(outs, lead)
+        members = [(member.hessian_at(zs), scale) for zs, member, scale in self._parts(z, lead)]
+
+        def apply(w):
+            outs = [curvature(ws) * scale for (curvature, scale), (ws, _, _) in zip(members, self._parts(w, lead))]
+            return self._join(outs, lead)
+
+        return apply
 
     def quadratic(self, z, dz):
         lead = tuple(int(d) for d in z.shape[:-1])
