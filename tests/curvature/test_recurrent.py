@@ -44,7 +44,7 @@ def test_per_example_gradients_equal_a_loop(name):
         assert ref.rel_err([g[n] for g in grads], one) < 1e-5, (name, n)
 
 
-@pytest.mark.parametrize("name", ["lstm", "bidirectional"])
+@pytest.mark.parametrize("name", ["lstm"])
 def test_ggn_diagonal_equals_the_dense_diagonal_and_estimators_run(name):
     model, x, y = _case(name)
     G = kg.curvature.GGN(model, x, batch_size=4)
