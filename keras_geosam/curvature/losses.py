@@ -235,8 +235,9 @@ def resolve_loss(model, loss=None):
 
     Raises:
         ValueError: if there is no loss (model not compiled with one and
-            none passed), several losses (multi-output), an unknown name,
-            or something that is not a loss.
+            none passed), an unknown name, or something that is not a loss.
+            A list or dict of losses (one per output) gives a
+            :class:`JointSpec`.
 
     Example:
 

@@ -1,11 +1,12 @@
 """The functional curvature API: products with a model's curvature and
 its outputs' derivatives, as plain functions.
 
-All functions take a built single-output model, inputs ``x`` and targets
-``y`` (NumPy arrays or backend tensors), and differentiate the mean loss over
-all examples. Data larger than ``batch_size`` is streamed: results are exact
-averages over the batches (weighted by batch size), and memory is bounded by
-the batch size. Vectors are lists matching ``model.trainable_variables``.
+All functions take a built model (one with several outputs takes a loss
+per output, ``losses.JointSpec``), inputs ``x`` and targets ``y`` (NumPy
+arrays or backend tensors, or lists or dicts of them), and differentiate
+the mean loss over all examples. Data larger than ``batch_size`` is
+streamed: results are exact averages over the batches (weighted by batch
+size), and memory is bounded by the batch size. Vectors are lists matching ``model.trainable_variables``.
 Layers run in inference mode unless ``training=True``. ``hvp`` and ``ggnvp``
 are one product of the :class:`Hessian` and :class:`GGN` operators.
 """
@@ -38,7 +39,7 @@ def loss_and_gradient(model, x, y, params=None, loss=None, batch_size=None, trai
     unless ``include_regularization=False``.
 
     Args:
-        model: a built single-output ``keras.Model``.
+        model: a built ``keras.Model`` (several outputs take a loss each).
         x: inputs: a NumPy array or backend tensor (or a list or dict of them for
             several inputs).
         y: targets of the same length.
@@ -102,7 +103,7 @@ def hvp(model, x, y, vectors, loss=None, batch_size=None, training=False, sample
     linearisation per data batch. ``kg.curvature.Hessian`` is the operator.
 
     Args:
-        model: a built single-output ``keras.Model``.
+        model: a built ``keras.Model`` (several outputs take a loss each).
         x: inputs: a NumPy array or backend tensor (or a list or dict of them for
             several inputs).
         y: targets of the same length.
@@ -153,7 +154,7 @@ def ggnvp(model, x, y=None, vectors=None, reduction="mean", loss=None, batch_siz
     Labels `y` are not needed and ignored. ``GGN(model, x)`` is the operator.
 
     Args:
-        model: a built single-output ``keras.Model``.
+        model: a built ``keras.Model`` (several outputs take a loss each).
         x: inputs: a NumPy array or backend tensor (or a list or dict of them for
             several inputs).
         y: ignored (the GGN needs no labels). Defaults to `None`.
@@ -217,7 +218,7 @@ def per_example_gradients(model, x, y, loss=None, batch_size=None, training=Fals
     default ``training=False``.
 
     Args:
-        model: a built single-output ``keras.Model``.
+        model: a built ``keras.Model`` (several outputs take a loss each).
         x: inputs: a NumPy array or backend tensor (or a list or dict of them for
             several inputs).
         y: targets of the same length.
@@ -274,7 +275,7 @@ def sampled_label_gradients(model, x, num_samples=1, seed=0, batch_size=None, tr
     :func:`sample_labels`), the same on every backend.
 
     Args:
-        model: a built single-output ``keras.Model``.
+        model: a built ``keras.Model`` (several outputs take a loss each).
         x: inputs: a NumPy array or backend tensor (or a list or dict of them for
             several inputs).
         num_samples: labels drawn per example. Defaults to `1`.
@@ -316,7 +317,7 @@ def predict_probs(model, x, batch_size=None, training=False, loss=None):
     """Softmax probabilities of the predictive distribution, as NumPy.
 
     Args:
-        model: a built single-output ``keras.Model``.
+        model: a built ``keras.Model`` (several outputs take a loss each).
         x: inputs: a NumPy array or backend tensor (or a list or dict of them for
             several inputs).
         batch_size: examples per batch. Defaults to `None` (256).
@@ -395,7 +396,7 @@ def jvp(model, x, vectors, training=False):
     respect to its trainable variables; no loss is involved.
 
     Args:
-        model: a built single-output ``keras.Model``.
+        model: a built ``keras.Model`` (several outputs take a loss each).
         x: inputs: a NumPy array or backend tensor (or a list or dict of them for
             several inputs).
         vectors: a list with one array per trainable variable, shaped like
@@ -431,7 +432,7 @@ def vjp(model, x, cotangent, training=False):
     """J^T u for the model outputs' Jacobian J and output-shaped `u`.
 
     Args:
-        model: a built single-output ``keras.Model``.
+        model: a built ``keras.Model`` (several outputs take a loss each).
         x: inputs: a NumPy array or backend tensor (or a list or dict of them for
             several inputs).
         cotangent: ``u``, an array shaped like the model's output on `x`.
