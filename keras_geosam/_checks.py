@@ -90,7 +90,7 @@ def renamed_arguments(**old_to_new):
                     if new in kwargs:
                         raise TypeError(f"{fn.__name__}() got both {new!r} and its deprecated alias {old!r}.")
                     warn_at_caller(f"{fn.__name__}({old}=...) is deprecated; use {new}=... (same meaning).",
-                                  DeprecationWarning)
+                                   DeprecationWarning)
                     kwargs[new] = kwargs.pop(old)
             return fn(*args, **kwargs)
 

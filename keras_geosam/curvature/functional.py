@@ -329,9 +329,8 @@ class ModelFunctions:
         options, built once. (A name string, the old form, still works and
         warns.)"""
         if isinstance(body, str):
-            
             warn_at_caller(f"ModelFunctions.kernel({body!r}) is deprecated: pass the body, "
-                          f"kernel(fns.{body}_body).", DeprecationWarning)
+                           f"kernel(fns.{body}_body).", DeprecationWarning)
             body = getattr(self, body + "_body")
         return self._kernels.get(body, **static)
 

@@ -313,4 +313,3 @@ def require_likelihood(spec, what, hint=""):
             f"or probabilities, reduced over the last axis. The loss here is {spec.name!r}, which has no "
             f"likelihood in keras_geosam (MAE, Huber, hinge and custom losses have none).{hint}"
         )
-

@@ -39,7 +39,6 @@ def data_info(x, batch_size):
 
 
 def warn_if_tiny(x):
-    
     if num_examples(x) < 2:
         warn_at_caller(
             "A curvature estimate from a single example describes that example only; "

@@ -135,3 +135,27 @@ def test_a_numpy_block_is_solved_on_the_host_in_float64(monkeypatch):
     w, v = symmetric_eigh(m)
     assert isinstance(w, np.ndarray) and w.dtype == np.float64
     assert np.abs((v * w) @ v.T - m).max() < 1e-12 * np.abs(m).max()
+
+
+def test_a_rounding_level_kfac_block_inverts_to_zero_not_nan():
+    """float32 K-FAC factors of ~1e-13 and ~1e-29 (MobileNetV3's
+    squeeze-excite convolutions): their eigenvalue products underflow to
+    denormals, whose inverse overflowed to Inf, and the block mask turned
+    Inf * 0 into NaN. The tiny block must come out zero and the normal one
+    equal the explicit damped inverse of ``kron(A, B)``."""
+    tiny = kg.curvature.KFAC(ops.convert_to_tensor(1e-13 * _spd(4, 5), "float32"),
+                             ops.convert_to_tensor(1e-29 * _spd(3, 6), "float32"), (4, 3))
+    A, B = _spd(2, 7), _spd(3, 8)
+    normal = kg.curvature.KFAC(ops.convert_to_tensor(A, "float32"), ops.convert_to_tensor(B, "float32"), (2, 3))
+    M = kg.curvature.BlockDiagonal([tiny, normal])
+    for inverse in (M.inverse(1e-3, relative=True), M.inverse_sqrt(1e-3, relative=True)):
+        out = [np.asarray(ops.convert_to_numpy(t), "float64") for t in inverse.matvec([np.ones((4, 3), "float32"),
+                                                                                          np.ones((2, 3), "float32")])]
+        assert np.all(np.isfinite(out[0])) and np.all(out[0] == 0)
+        assert np.all(np.isfinite(out[1]))
+    kron = np.kron(A, B)
+    lam = 1e-3 * np.linalg.eigvalsh(kron).mean()
+    expected = np.linalg.solve(kron + lam * np.eye(6), np.ones(6))
+    got = np.asarray(ops.convert_to_numpy(M.inverse(1e-3, relative=True).matvec(
+        [np.ones((4, 3), "float32"), np.ones((2, 3), "float32")])[1]), "float64").ravel()
+    assert np.abs(got - expected).max() < 1e-4 * np.abs(expected).max()

@@ -284,3 +284,17 @@ def test_sequence_outputs_count_every_position_as_a_loss_term(family):
     per_example = v.reshape(2, 6, T, -1).sum(axis=2) / np.sqrt(T)
     mc = np.einsum("snp,snq->pq", per_example, per_example) / (6 * 2)
     assert rel(kg.curvature.GGN(model, x, kind="mc", num_samples=2, seed=4).to_dense(), mc) < TOL
+
+
+@pytest.mark.parametrize("name", ["mse", "multilabel_logits"])
+def test_exact_riemannian_sharpness_is_the_damped_dense_trace(name):
+    """structure="exact": tr((G + lambda I)^-1 H), lambda = 0.1 times G's
+    mean eigenvalue, from the reference's explicit G and H."""
+    case = get(name)
+    G, H = case.ref.ggn(), case.ref.hessian()
+    lam = 0.1 * np.clip(np.linalg.eigvalsh(G), 0, None).mean()
+    expected = np.trace(np.linalg.solve(G + lam * np.eye(G.shape[0]), H))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        est = kg.sharpness.riemannian_sharpness(case.model, case.x, case.y, structure="exact", damping=0.1)
+    assert est.value == pytest.approx(expected, rel=1e-5)
