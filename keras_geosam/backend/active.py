@@ -16,8 +16,9 @@ a list of backend tensors:
 - ``jvp(f, params, tangents, *args)`` -> ``(f(params), J tangents)``
 - ``vjp(f, params, cotangent, *args)`` -> ``J^T cotangent`` (list)
 - ``hvp(f, params, vectors, *args)`` -> Hessian of scalar ``f`` times ``vectors``
-- ``hvp_batched(f, params, vectors, *args)`` -> the same for vectors with a
-  leading probe axis k, linearising ``f`` once for all of them
+- ``hvp_batched(f, params, vectors, *args, unroll=False)`` -> the same for
+  vectors with a leading probe axis k, linearising ``f`` once for all of
+  them (``unroll``: one tangent pass per probe in the trace, no vmap)
 - ``value_and_vjp(f, params, *args)`` -> ``(f(params), pull)``, ``pull(c)``
   = J^T c from the same forward pass
 - ``linearize(f, params, *args)`` -> ``(f(params), jvp_fn, vjp_fn)``: J t and
@@ -45,6 +46,10 @@ a list of backend tensors:
 - ``max_probe_block``: the most probes an operator hands one compiled
   product (an integer where a kernel's graph grows with them: TensorFlow),
   or None
+- ``unrolled_probe_block``: an integer where products over a convolutional
+  network should take their probes one at a time in the trace
+  (``hvp_batched(..., unroll=True)``), in blocks of that many (XLA:CPU,
+  whose vmapped convolutions are slow); None elsewhere
 - ``compile(fn)`` -> a compiled version of a pure function (or ``fn`` itself)
 - ``replica_count()`` / ``all_reduce_sum(tensors)``: tf.distribute replicas
   (a step's gradients are per-replica there); 1 / identity elsewhere
@@ -125,6 +130,7 @@ slow_convolutions_in_loops = _impl.slow_convolutions_in_loops
 batch_small_products = _impl.batch_small_products
 loop_pullbacks = _impl.loop_pullbacks
 max_probe_block = _impl.max_probe_block
+unrolled_probe_block = _impl.unrolled_probe_block
 eager_steps = _impl.eager_steps
 refresh_between_steps = _impl.refresh_between_steps
 replica_count = _impl.replica_count
@@ -167,6 +173,7 @@ __all__ = [
     "batch_small_products",
     "loop_pullbacks",
     "max_probe_block",
+    "unrolled_probe_block",
     "for_shapes",
     "eager_steps",
     "refresh_between_steps",

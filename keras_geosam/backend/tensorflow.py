@@ -25,6 +25,9 @@ loop_pullbacks = False
 # so a graph's length and trace time do not grow with the probe count.
 max_probe_block = 8
 
+# Probes are unrolled already (``hvp_batched``), within ``max_probe_block``.
+unrolled_probe_block = None
+
 
 # Steps are traced and compiled: their branches stay on the device.
 eager_steps = False
@@ -192,9 +195,10 @@ def hvp(f, params, vectors, *args):
 
 
 @_exact_moments
-def hvp_batched(f, params, vectors, *args):
+def hvp_batched(f, params, vectors, *args, unroll=True):
     # One forward and backward on a persistent tape, then one second backward
-    # per probe (leading axis k of `vectors`; unrolled in the traced graph).
+    # per probe (leading axis k of `vectors`; always unrolled in the traced
+    # graph, whatever `unroll` says).
     # pfor over the probes was 1.8x slower per probe on convolutions, whose
     # filter-gradient ops it cannot vectorise, and no faster on an MLP.
     params = list(params)

@@ -59,6 +59,9 @@ loop_pullbacks = False
 # Eager: nothing is traced, so a block of any size costs no more to build.
 max_probe_block = None
 
+# Eager: probes are never traced, so nothing to unroll.
+unrolled_probe_block = None
+
 
 # Steps run eagerly: a data-dependent branch in a step is decided on the host.
 eager_steps = True
@@ -141,9 +144,10 @@ def _batched_grad(outputs, leaves, cotangents):
 
 
 @_math_attention
-def hvp_batched(f, params, vectors, *args):
+def hvp_batched(f, params, vectors, *args, unroll=False):
     # Reverse-over-reverse on one retained graph: the forward and the first
-    # backward run once for all probes (leading axis k of `vectors`).
+    # backward run once for all probes (leading axis k of `vectors`); eager,
+    # so `unroll` changes nothing.
     with torch.enable_grad():
         leaves = _leaves(params)
         loss = f(leaves, *args)

@@ -19,6 +19,7 @@ from keras_geosam.curvature.kernels import KernelCache
 from keras_geosam import backend
 from keras_geosam.curvature import probes as _probes
 from keras_geosam.curvature import likelihoods as _likelihoods
+from keras_geosam.curvature.layers import is_convolutional
 from keras_geosam.curvature.layers import takes_training
 from keras_geosam.curvature.losses import JointSpec
 from keras_geosam.curvature.losses import require_classifier
@@ -83,6 +84,10 @@ class ModelFunctions:
         self.variables = list(model.trainable_variables)
         self.paths = [v.path for v in self.variables]
         self._kernels = KernelCache()
+        # Probes per compiled product, and whether they are unrolled there
+        # (``backend.unrolled_probe_block``: vmapped convolutions are slow).
+        self.unroll_probes = bool(backend.unrolled_probe_block) and is_convolutional(model)
+        self.probe_block = backend.unrolled_probe_block if self.unroll_probes else backend.max_probe_block
 
     # ----------------------------------------------------------- state ----
     def params(self):
@@ -335,13 +340,14 @@ class ModelFunctions:
         return self._kernels.get(body, **static)
 
     def hvp_batched_body(self, params, nt, vectors, x, y, sw=None):
-        return backend.hvp_batched(self.loss, params, vectors, nt, x, y, sw)
+        return backend.hvp_batched(self.loss, params, vectors, nt, x, y, sw, unroll=self.unroll_probes)
 
     def ggn_batched_body(self, params, nt, vectors, x, y, key, offset, kind="exact", num_samples=1, sw=None):
-        return backend.hvp_batched(self.ggn_surrogate_of, params, vectors, nt, x, y, key, offset, kind, num_samples, sw)
+        return backend.hvp_batched(self.ggn_surrogate_of, params, vectors, nt, x, y, key, offset, kind, num_samples, sw,
+                                   unroll=self.unroll_probes)
 
     def residual_batched_body(self, params, nt, vectors, x, y, sw=None):
-        return backend.hvp_batched(self.residual_surrogate, params, vectors, nt, x, y, sw)
+        return backend.hvp_batched(self.residual_surrogate, params, vectors, nt, x, y, sw, unroll=self.unroll_probes)
 
     def loss_and_grad_body(self, params, nt, x, y, sw=None):
         return backend.value_and_grad(self.loss, params, nt, x, y, sw)

@@ -103,15 +103,27 @@ def test_dict_inputs_without_a_model_input_are_named():
     partial = {"token_ids": x}
     with pytest.raises(ValueError, match=r"without the model's input\(s\) \['scale'\]"):
         kg.sharpness.hessian_trace(model, partial, y, num_probes=2, rtol=None)
-    before = _weights(model)
-    for callback in (kg.callbacks.SharpnessLogger(partial, y, every_n_epochs=1),
-                     kg.callbacks.PreconditionerRefresh(partial, y, batch_size=4)):
-        with pytest.raises(ValueError, match=r"\['scale'\]"):
-            model.fit(full, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
-        assert all(np.array_equal(a, b) for a, b in zip(before, _weights(model)))
+    model.optimizer.build(model.trainable_variables)
+    state = model.optimizer.variables  # U and its statistics among them
+    assert any("/U0" in v.path for v in state)
+    before = _weights(model) + _weights_of(state)
     bad = dict(full, token_ids=np.where(x == 5, -1, x))
-    for callback in (kg.callbacks.SharpnessLogger(bad, y, every_n_epochs=1),
-                     kg.callbacks.PreconditionerRefresh(bad, y, batch_size=4)):
-        with pytest.raises(ValueError, match=r"Token ids of input 'token_ids'"):
-            model.fit(full, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
-        assert all(np.array_equal(a, b) for a, b in zip(before, _weights(model)))
+    for data, message in ((partial, r"\['scale'\]"), (bad, r"Token ids of input 'token_ids'")):
+        logger = kg.callbacks.SharpnessLogger(data, y, every_n_epochs=1)
+        for callback in (logger, kg.callbacks.PreconditionerRefresh(data, y, batch_size=4)):
+            with pytest.raises(ValueError, match=message):
+                model.fit(full, y, batch_size=8, epochs=1, verbose=0, callbacks=[callback])
+            # weights, U (every optimizer variable) and logs unchanged: the check ran before any step
+            assert all(np.array_equal(a, b) for a, b in zip(before, _weights(model) + _weights_of(state)))
+        assert logger.history == []
+    # teeth: with the full inputs the same fit takes steps and logs
+    logger = kg.callbacks.SharpnessLogger(full, y, every_n_epochs=1, num_probes=2, rtol=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.fit(full, y, batch_size=8, epochs=1, verbose=0, callbacks=[logger])
+    assert len(logger.history) == 1
+    assert not all(np.array_equal(a, b) for a, b in zip(before, _weights(model)))
+
+
+def _weights_of(variables):
+    return [np.array(keras.ops.convert_to_numpy(v)) for v in variables]

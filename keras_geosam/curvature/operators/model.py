@@ -132,7 +132,7 @@ class ModelOperator(LinearOperator):
 
     def matmat(self, vectors):
         vectors = [ops.convert_to_tensor(v, dtype=self.dtype) for v in self.check(vectors)]
-        block, k = backend.max_probe_block, int(vectors[0].shape[0])
+        block, k = self.fns.probe_block, int(vectors[0].shape[0])
         if block and k > block:  # blocks of probes: a kernel's graph stays `block` probes long
             parts = [self.matmat([v[s:s + block] for v in vectors]) for s in range(0, k, block)]
             return [ops.concatenate(p, axis=0) for p in zip(*parts)]
