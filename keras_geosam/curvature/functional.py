@@ -17,6 +17,7 @@ from keras_geosam._checks import check_rematerialisation
 from keras_geosam._checks import warn_at_caller
 from keras_geosam.curvature.kernels import KernelCache
 from keras_geosam import backend
+from keras_geosam import keras_internals
 from keras_geosam.curvature import probes as _probes
 from keras_geosam.curvature import likelihoods as _likelihoods
 from keras_geosam.curvature.layers import is_convolutional
@@ -123,14 +124,15 @@ class ModelFunctions:
         kwargs = {"training": self.training} if takes_training(self.model) else {}
         out = self.model.stateless_call(params, nt, x, return_losses=True, **kwargs)
         y_pred, _, losses = out
-        if isinstance(y_pred, (list, tuple, dict)):
-            if not isinstance(self.spec, JointSpec):
-                raise ValueError(
-                    f"The model has {len(keras.tree.flatten(y_pred))} outputs and one loss ({self.spec.name}): "
-                    "compile it with a loss per output (a list, or a dict by output name)."
-                )
-            # Several outputs: one flat vector per example (losses.JointSpec).
+        if isinstance(self.spec, JointSpec):
+            # Several outputs, or one weighted by loss_weights: one flat
+            # vector per example (losses.JointSpec).
             y_pred = self.spec.flatten_outputs(y_pred)
+        elif isinstance(y_pred, (list, tuple, dict)):
+            raise ValueError(
+                f"The model has {len(keras.tree.flatten(y_pred))} outputs and one loss ({self.spec.name}): "
+                "compile it with a loss per output (a list, or a dict by output name)."
+            )
         return y_pred, losses
 
     def loss(self, params, nt, x, y, sw=None):
@@ -423,7 +425,9 @@ def model_functions(model, loss=None, training=False, include_regularization=Tru
     loss_obj = loss if loss is not None else getattr(model, "loss", None)
     var_ids = [id(v) for v in model.trainable_variables]
     per_model = _CACHE.setdefault(model, {})
-    key = (id(loss_obj), bool(training), bool(include_regularization))
+    # A recompile may keep the loss object and change only its weights.
+    weights = repr(keras_internals.loss_weights(model)) if loss is None else None
+    key = (id(loss_obj), weights, bool(training), bool(include_regularization))
     fns = per_model.get(key)
     if fns is None or fns.loss_obj is not loss_obj or fns.var_ids != var_ids:
         fns = ModelFunctions(model, loss, training, include_regularization)
@@ -441,6 +445,13 @@ def check_data(x, y=None, labels_needed=True, sample_weight=None):
     needed, x, y and `sample_weight` of different lengths, and non-finite
     inputs (which would give NaN curvature or a Fisher that looks zero).
     """
+    if isinstance(sample_weight, dict) or (
+            isinstance(sample_weight, (list, tuple)) and any(hasattr(w, "shape") for w in sample_weight)):
+        raise ValueError(
+            "sample_weight per output (a list or dict of arrays) is not taken by keras_geosam curvature "
+            "routines: pass one (N,) weight per example, which weighs every output's loss terms of that "
+            "example (as Keras does with one array). fit() itself takes per-output weights."
+        )
     for name, a in (("x", x), ("y", y), ("sample_weight", sample_weight)):
         if a is None:
             continue

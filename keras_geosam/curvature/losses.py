@@ -124,8 +124,9 @@ class JointSpec:
             raise ValueError(f"The model has {len(leaves)} outputs and the loss {len(self.parts)} parts.")
         if any(keras_internals.keras_mask(leaf) is not None for leaf in leaves):
             raise ValueError(
-                "keras_geosam curvature routines do not take Keras masks on a model with several outputs; "
-                "pass the padding as sample_weight of a single-output model, or drop mask_zero."
+                "keras_geosam curvature routines do not take Keras masks on a model with several outputs "
+                "or with loss_weights; pass the padding as sample_weight of a single-output model compiled "
+                "without loss_weights, or drop mask_zero."
             )
         self.output_shapes = [tuple(int(d) for d in leaf.shape[1:]) for leaf in leaves]
         n = ops.shape(leaves[0])[0]
@@ -163,6 +164,8 @@ class JointSpec:
             return [y[k] for k, _, _ in self.parts]
         if isinstance(y, (list, tuple)) and len(y) == len(self.parts):
             return list(y)
+        if len(self.parts) == 1 and hasattr(y, "shape"):
+            return [y]  # one output weighted by loss_weights
         raise ValueError(
             f"A model with {len(self.parts)} outputs needs its labels as a list of {len(self.parts)} arrays "
             f"or a dict by output name ({[k for k, _, _ in self.parts]}); got {type(y).__name__}."
@@ -218,6 +221,23 @@ def _joint(model, loss):
     return JointSpec(parts)
 
 
+def _weighted(model, loss, spec):
+    """`spec`, or a one-part :class:`JointSpec` when the model's one loss
+    is compiled with ``loss_weights`` other than 1 (Keras scales the loss,
+    so its gradient, Hessian and Fisher, by the weight)."""
+    if model is None or loss is not getattr(model, "loss", None):
+        return spec
+    weights = keras_internals.loss_weights(model)
+    if isinstance(weights, dict):
+        weights = list(weights.values())
+    if isinstance(weights, (list, tuple)):
+        weights = weights[0] if len(weights) == 1 else None
+    if weights is None or float(weights) == 1.0:
+        return spec
+    names = list(getattr(model, "output_names", None) or [])
+    return JointSpec([(names[0] if names else 0, spec, float(weights))])
+
+
 def resolve_loss(model, loss=None):
     """The model's compiled loss (or ``loss``) as a :class:`LossSpec`.
 
@@ -258,8 +278,11 @@ def resolve_loss(model, loss=None):
             )
     if isinstance(loss, (list, tuple, dict)):
         if len(loss) == 1:
-            return resolve_loss(model, next(iter(loss.values())) if isinstance(loss, dict) else loss[0])
+            spec = resolve_loss(model, next(iter(loss.values())) if isinstance(loss, dict) else loss[0])
+            return _weighted(model, loss, spec)
         return _joint(model, loss)
+    if model is not None and loss is getattr(model, "loss", None):
+        return _weighted(model, loss, resolve_loss(None, loss))
     if isinstance(loss, str):
         obj = keras.losses.get(loss)
         if obj is None:

@@ -148,6 +148,11 @@ def test_multi_output_labels_and_losses_are_checked():
         kg.curvature.Hessian(model, x, [y["cls"], 2 * y["aux"]])
     with pytest.raises(ValueError, match="2 arrays or a dict"):
         kg.curvature.Hessian(model, x, y["cls"])
+    labels, w = [y["cls"], y["aux"]], np.linspace(0.5, 1.5, N)
+    for per_output in ([w, w], {"cls": w, "aux": w}):
+        with pytest.raises(ValueError, match=r"sample_weight per output .* one \(N,\) weight per example"):
+            kg.sharpness.hessian_trace(model, x, labels, sample_weight=per_output, num_probes=2, rtol=None)
+    kg.sharpness.hessian_trace(model, x, labels, sample_weight=w, num_probes=2, rtol=None)  # one per example
     model.compile(loss=[keras.losses.SparseCategoricalCrossentropy(from_logits=True), "mae"])
     with pytest.raises(ValueError, match=r"mean_absolute_error \(aux\)"):
         kg.sharpness.riemannian_sharpness(model, x, [y["cls"], y["aux"]])
@@ -175,3 +180,39 @@ def test_every_optimizer_trains_a_two_output_model(name):
     history = model.fit(x, [y["cls"], y["aux"]], batch_size=5, epochs=4, verbose=0).history["loss"]
     assert np.all(np.isfinite(history)) and history[-1] < history[0], history
     assert all(np.all(np.isfinite(keras.ops.convert_to_numpy(v))) for v in model.trainable_variables)
+
+
+@pytest.mark.parametrize("loss", ["mse", "sce"])
+@pytest.mark.parametrize("form", ["float", "list", "dict"])
+def test_loss_weights_of_a_single_output_scale_its_curvature(loss, form):
+    """Keras scales a single-output loss by its ``loss_weights``: so do the
+    loss, the Hessian, the GGN, the Fisher diagonal and K-FAC (2.5 times the
+    unweighted model's, same weights). A recompile with other weights is
+    seen (the cached functions are keyed by them)."""
+    keras.utils.set_random_seed(5)
+    width = 2 if loss == "mse" else 3
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, activation="tanh"),
+                              keras.layers.Dense(width, name="out")])
+    fn = "mse" if loss == "mse" else keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(N, 4))
+    y = rng.normal(size=(N, 2)) if loss == "mse" else rng.integers(0, 3, size=N)
+
+    def measures():
+        value, _ = kg.curvature.loss_and_gradient(model, x, y)
+        return (float(keras.ops.convert_to_numpy(value)), kg.curvature.Hessian(model, x, y).to_dense(),
+                kg.curvature.GGN(model, x).to_dense(), ref.flatten(kg.sharpness.fisher_diagonal(model, x)),
+                ref.flatten(kg.sharpness.fisher_metric(model, x, structure="kfac").diagonal()))
+
+    model.compile(loss=fn)
+    plain = measures()
+    w = {"float": 2.5, "list": [2.5], "dict": {"out": 2.5}}[form]
+    model.compile(loss=fn, loss_weights=w)
+    weighted = measures()
+    keras_value = model.evaluate(x, y, verbose=0)
+    assert weighted[0] == pytest.approx(float(keras_value), rel=1e-6)
+    assert weighted[0] == pytest.approx(2.5 * plain[0], rel=1e-6)
+    for a, b in zip(weighted[1:], plain[1:]):
+        assert ref.rel_err(a, 2.5 * b) < TOL
+    model.compile(loss=fn, loss_weights=1.0)  # teeth: back to the plain numbers
+    assert ref.rel_err(measures()[2], plain[2]) < TOL
