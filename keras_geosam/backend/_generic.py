@@ -92,3 +92,16 @@ def one_example(e):
     import keras
 
     return keras.tree.map_structure(lambda a: a[None], e)
+
+
+def host_available_memory():
+    """Bytes of host memory free now (Linux's MemAvailable: free plus
+    reclaimable caches), or None where /proc/meminfo is not there."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -29,6 +29,8 @@ a list of backend tensors:
 - ``eigh(x)`` -> eigenvalues (ascending) and eigenvectors of a symmetric
   matrix, with the fastest solver for the device
 - ``is_concrete(x)`` -> whether `x` holds values now (not a traced tensor)
+- ``available_memory()`` -> bytes free now on the device the kernels use
+  (the host's on a CPU), or None where it cannot be read
 - ``per_example_grads(f, params, *batch)`` -> gradients of ``f(params, *example)``
   for every example along axis 0 of ``batch`` (vectorised, no Python loop)
 - ``eager_steps``: True where a train step runs eagerly (torch), so its
@@ -124,6 +126,7 @@ vjp_batched = _impl.vjp_batched
 per_example_grads = _impl.per_example_grads
 eigh = _impl.eigh
 is_concrete = _impl.is_concrete
+available_memory = _impl.available_memory
 compile = _impl.compile
 for_shapes = _impl.for_shapes
 slow_convolutions_in_loops = _impl.slow_convolutions_in_loops
@@ -173,6 +176,7 @@ __all__ = [
     "batch_small_products",
     "loop_pullbacks",
     "max_probe_block",
+    "available_memory",
     "unrolled_probe_block",
     "for_shapes",
     "eager_steps",

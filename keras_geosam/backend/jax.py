@@ -320,6 +320,19 @@ from keras_geosam.backend._single_device import replica_count  # noqa: E402,F401
 
 # The step is compiled, so the keras.ops forms cost no per-op dispatch.
 from keras_geosam.backend._generic import one_example  # noqa: E402
+from keras_geosam.backend._generic import host_available_memory  # noqa: E402
+
+
+def available_memory():
+    """Bytes free on the default device now (the host's on a CPU), or None
+    where the device does not say."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return host_available_memory()
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
 from keras_geosam.backend._generic import add_scaled  # noqa: E402,F401
 from keras_geosam.backend._generic import multiply_into  # noqa: E402,F401
 from keras_geosam.backend._generic import densify  # noqa: E402,F401

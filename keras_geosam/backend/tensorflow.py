@@ -519,3 +519,14 @@ from keras_geosam.backend._generic import gate_preparation  # noqa: E402,F401
 from keras_geosam.backend._generic import sandwich  # noqa: E402,F401
 from keras_geosam.backend._generic import uncompiled  # noqa: E402,F401
 from keras_geosam.backend._generic import vdot as _generic_vdot  # noqa: E402
+
+
+from keras_geosam.backend._generic import host_available_memory  # noqa: E402
+
+
+def available_memory():
+    """Bytes of host memory free now on a CPU; None with a GPU (TensorFlow
+    reports what it uses there, not what is free)."""
+    if tf.config.list_logical_devices("GPU"):
+        return None
+    return host_available_memory()

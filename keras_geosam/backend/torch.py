@@ -396,3 +396,16 @@ from keras_geosam.backend._generic import scale  # noqa: E402,F401
 
 # Eager steps decide the refresh on the host, inside the step.
 from keras_geosam.backend._generic import gate_preparation  # noqa: E402,F401
+
+
+from keras_geosam.backend._generic import host_available_memory  # noqa: E402
+
+
+def available_memory():
+    """Bytes free on Keras' torch device now (the host's on a CPU)."""
+    from keras.src.backend.torch.core import get_device
+
+    device = torch.device(get_device())
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return host_available_memory() if device.type == "cpu" else None

@@ -35,6 +35,7 @@ from keras import ops
 
 from keras_geosam.curvature.kernels import KernelCache
 from keras_geosam import backend
+from keras_geosam.curvature import memory
 from keras_geosam.curvature.layers import KFAC_APPROXIMATIONS
 from keras_geosam.curvature.layers import MAX_ELEMENTS
 from keras_geosam.curvature.layers import rules_for
@@ -52,6 +53,7 @@ class Capture:
         self.kfac_rules = [r for r in self.rules if r.kernel is not None]
         self._call_shapes = {}
         self._kernels = KernelCache()
+        self._memory_checked = set()
 
     def _kernel(self, body, **static):
         return self._kernels.get(body, **static)
@@ -161,6 +163,12 @@ class Capture:
             )
             out = kernel(params, nt, x, y, key, offset, [bases[q] for q in quad], sw)
         if other_diag and self.uncovered:
+            n = ops.shape(keras.tree.flatten(x)[0])[0]  # None inside a trace of unknown batch size: not checked
+            if isinstance(n, (int, np.integer)) and (n, "uncovered") not in self._memory_checked:
+                variables = [self.fns.variables[i] for i in self.uncovered]
+                itemsize = np.dtype(keras.backend.standardize_dtype(variables[0].dtype)).itemsize
+                memory.check_per_example_gradients(variables, n, "The curvature of layers without a rule", itemsize)
+                self._memory_checked.add((n, "uncovered"))
             extra = self._kernel(self.body_uncovered, **static)(params, nt, x, y, key, offset, sw)
             out["diag"] = {**out["diag"], **extra}
         return out

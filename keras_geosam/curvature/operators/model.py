@@ -26,6 +26,7 @@ from keras import ops
 
 from keras_geosam import backend
 from keras_geosam._checks import check_int
+from keras_geosam.curvature import memory
 from keras_geosam.curvature import probes
 from keras_geosam.curvature import weights as token_weights
 from keras_geosam.curvature.capture import Capture
@@ -136,6 +137,11 @@ class ModelOperator(LinearOperator):
         if block and k > block:  # blocks of probes: a kernel's graph stays `block` probes long
             parts = [self.matmat([v[s:s + block] for v in vectors]) for s in range(0, k, block)]
             return [ops.concatenate(p, axis=0) for p in zip(*parts)]
+        check = (min(self.batch_size, self.num_examples), k)
+        if check not in self.__dict__.setdefault("_memory_checked", set()):
+            itemsize = np.dtype(keras.backend.standardize_dtype(self.dtype)).itemsize
+            memory.check_product(self.fns.model, check[0], k, f"A product with {type(self).__name__}", itemsize)
+            self._memory_checked.add(check)
         params, nt = self.fns.params(), self.fns.non_trainable()
         return self._mean_over_batches(lambda xb, yb, swb, offset: self._matmat_batch(params, nt, vectors, xb, yb, swb, offset))
 
