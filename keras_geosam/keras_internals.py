@@ -162,6 +162,13 @@ def calls_of(layer):
     return len(getattr(layer, "_inbound_nodes", []))
 
 
+def call_output_shapes(layer):
+    """The shapes of the outputs of each call of `layer` in the functional
+    graphs it is in (nodes are not public): a list of shape tuples."""
+    return [tuple(t.shape) for node in getattr(layer, "_inbound_nodes", []) or []
+            for t in getattr(node, "output_tensors", None) or [] if getattr(t, "shape", None) is not None]
+
+
 def consumers(layer):
     """The operations fed by `layer`'s output in its functional graphs."""
     return [node.operation for node in layer._outbound_nodes]

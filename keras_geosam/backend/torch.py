@@ -403,9 +403,7 @@ from keras_geosam.backend._generic import host_available_memory  # noqa: E402
 
 def available_memory():
     """Bytes free on Keras' torch device now (the host's on a CPU)."""
-    from keras.src.backend.torch.core import get_device
-
-    device = torch.device(get_device())
+    device = keras.ops.convert_to_tensor(0.0).device  # where Keras puts tensors
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     return host_available_memory() if device.type == "cpu" else None

@@ -34,15 +34,13 @@ def activation_elements(model):
     total = 0
     found = False
     for layer in [model] + keras_internals.flatten_layers(model):
-        for node in getattr(layer, "_inbound_nodes", []) or []:
-            if type(layer).__name__ == "InputLayer" or keras_internals.flatten_layers(layer):
-                continue  # inputs are data, a nested model's outputs are its layers'
-            for tensor in getattr(node, "output_tensors", None) or []:
-                shape = getattr(tensor, "shape", None)
-                if shape is None or len(shape) == 0 or any(d is None for d in shape[1:]):
-                    return None
-                total += int(np.prod(shape[1:], dtype=np.int64))
-                found = True
+        if type(layer).__name__ == "InputLayer" or keras_internals.flatten_layers(layer):
+            continue  # inputs are data, a nested model's outputs are its layers'
+        for shape in keras_internals.call_output_shapes(layer):
+            if len(shape) == 0 or any(d is None for d in shape[1:]):
+                return None
+            total += int(np.prod(shape[1:], dtype=np.int64))
+            found = True
     return total if found else None
 
 
