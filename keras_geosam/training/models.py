@@ -93,6 +93,19 @@ def _check_fit_batches(model, args, kwargs):
     check_batches(int(first.shape[0]), int(batch_size), model)
 
 
+def _check_fit_inputs(model, args, kwargs):
+    """Array inputs: named inputs present and token ids inside every
+    Embedding's vocabulary, before the first step (``curvature.tokens``). A
+    step on an out-of-range id is NaN on JAX and would only be skipped,
+    without naming the id. A dataset or generator is not read ahead."""
+    from keras_geosam.curvature.tokens import check_inputs_fit
+
+    x = kwargs.get("x", args[0] if args else None)
+    leaves = keras.tree.flatten(x) if x is not None else []
+    if leaves and all(hasattr(a, "shape") and hasattr(a, "__len__") for a in leaves):
+        check_inputs_fit(model, x)
+
+
 def _multi_worker(strategy):
     """Whether `strategy` is a MultiWorkerMirroredStrategy spanning several
     workers (Keras' own test for its multi-worker reductions)."""
@@ -406,6 +419,7 @@ def attach(model):
         from keras_geosam.distribution import layout_errors
 
         _check_fit_batches(model, args, kwargs)
+        _check_fit_inputs(model, args, kwargs)
         with layout_errors():
             return stock_fit(*args, **_with_refresh_monitor(model, kwargs))
 

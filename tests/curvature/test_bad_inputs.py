@@ -127,3 +127,22 @@ def test_dict_inputs_without_a_model_input_are_named():
 
 def _weights_of(variables):
     return [np.array(keras.ops.convert_to_numpy(v)) for v in variables]
+
+
+@pytest.mark.parametrize("bad", [-1, V])
+def test_fit_of_an_attached_model_names_an_out_of_range_token_before_any_step(bad):
+    """Array data: `fit` checks the token ids first (on JAX the step would
+    be NaN and only skipped, the id never named)."""
+    model = kg.attach(_model())
+    model.compile(optimizer=kg.optimizers.LLQRSAM(keras.optimizers.SGD(0.1), structure="diagonal"),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data()
+    before = _weights(model)
+    bad_x = x.copy()
+    bad_x[5, 1] = bad
+    with pytest.raises(ValueError, match=rf"Token ids of input .* \[0, {V}\).*got values in \[{min(bad, 2)}"):
+        model.fit(bad_x, y, batch_size=8, epochs=1, verbose=0)
+    assert all(np.array_equal(a, b) for a, b in zip(before, _weights(model)))
+    # teeth: the good ids train
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert not all(np.array_equal(a, b) for a, b in zip(before, _weights(model)))
