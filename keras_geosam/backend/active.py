@@ -53,6 +53,9 @@ a list of backend tensors:
   (``hvp_batched(..., unroll=True)``), in blocks of that many (XLA:CPU,
   whose vmapped convolutions are slow); None elsewhere
 - ``compile(fn)`` -> a compiled version of a pure function (or ``fn`` itself)
+- ``block_kernel(fn, static_argnames=())`` -> `fn` compiled once per shape
+  where eager ops compile per shape (JAX), else `fn`: a curvature block's
+  small arithmetic
 - ``replica_count()`` / ``all_reduce_sum(tensors)``: tf.distribute replicas
   (a step's gradients are per-replica there); 1 / identity elsewhere
 - ``sum_over_replicas(model, fn, x, y, offset)``: a batch's statistic
@@ -128,6 +131,7 @@ eigh = _impl.eigh
 is_concrete = _impl.is_concrete
 available_memory = _impl.available_memory
 compile = _impl.compile
+block_kernel = _impl.block_kernel
 for_shapes = _impl.for_shapes
 slow_convolutions_in_loops = _impl.slow_convolutions_in_loops
 batch_small_products = _impl.batch_small_products
@@ -177,6 +181,7 @@ __all__ = [
     "loop_pullbacks",
     "max_probe_block",
     "available_memory",
+    "block_kernel",
     "unrolled_probe_block",
     "for_shapes",
     "eager_steps",

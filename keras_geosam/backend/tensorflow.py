@@ -396,6 +396,12 @@ def _one_example_grad(f, params, batch):
     return traced, found
 
 
+# Eager TensorFlow ops compile nothing per shape; a tf.function per block
+# shape would retrace once per shape (and warn about it).
+def block_kernel(fn, static_argnames=()):
+    return fn
+
+
 def compile(fn):
     # Static shapes: a streamed last batch of another size costs one retrace,
     # and the curvature kernels size their chunks from shapes.

@@ -52,6 +52,10 @@ def spectral(values, damping, power, rcond):
     Values whose inverse would overflow count as zero too: a block of
     rounding-level curvature (products of two tiny Kronecker factors
     underflow to denormals in float32) would otherwise invert to Inf."""
+    return _spectral_kernel(values, damping, rcond, power=power)
+
+
+def _spectral_body(values, damping, rcond, power):
     shifted = values + scalar(damping, values.dtype)
     cutoff = scalar(rcond, values.dtype) * ops.maximum(ops.max(shifted), scalar(0.0, values.dtype))
     edge = 1.0 / float(np.finfo(keras.backend.standardize_dtype(values.dtype)).max) if power == 1 else 0.0
@@ -61,10 +65,38 @@ def spectral(values, damping, power, rcond):
     return ops.where(keep, scaled, ops.zeros_like(shifted))
 
 
+_spectral_kernel = backend.block_kernel(_spectral_body, static_argnames=("power",))
+
+
 def _absolute(damping, relative, mean_eigenvalue):
     if not relative:
         return damping
     return scalar(damping, mean_eigenvalue.dtype) * mean_eigenvalue
+
+
+def _diagonal_body(values, damping, rcond, relative, power):
+    return _spectral_body(values, _absolute(damping, relative, mean(values)), rcond, power)
+
+
+def _kronecker_body(la, lb, damping, rcond, relative, power):
+    s = la[:, None] * lb[None, :]
+    return _spectral_body(s, _absolute(damping, relative, mean(s)), rcond, power)
+
+
+def _gram_kronecker_body(la, lb, damping, rcond, relative, power, size):
+    # The input factor's null space (rank r < m): eigenvalue 0 in every
+    # column, so one scale there, (0 + lambda)^-power, cut off as the
+    # others are; `size` = m * n, the mean's denominator.
+    s = la[:, None] * lb[None, :]
+    lam = _absolute(damping, relative, ops.sum(s) / float(size))
+    both = _spectral_body(ops.concatenate([ops.reshape(s, (-1,)), ops.zeros((1,), s.dtype)]), lam, rcond, power)
+    return ops.reshape(both[:-1], ops.shape(s)), both[-1]
+
+
+# One compiled program per block shape on JAX (backend.block_kernel).
+_diagonal_scales = backend.block_kernel(_diagonal_body, static_argnames=("relative", "power"))
+_kronecker_scales = backend.block_kernel(_kronecker_body, static_argnames=("relative", "power"))
+_gram_kronecker_scales = backend.block_kernel(_gram_kronecker_body, static_argnames=("relative", "power", "size"))
 
 
 def _matrix_view(shape, split):
@@ -156,11 +188,8 @@ class Diagonal(_Spectral, LinearOperator):
         return Diagonal([ops.where(keep, v, ops.zeros_like(v)) for v in self.values])
 
     def _spectral(self, damping, relative, power, rcond):
-        out = []
-        for v in self.values:
-            lam = _absolute(damping, relative, mean(v))
-            out.append(spectral(v, lam, power, 0.0 if rcond is None else rcond))
-        return Diagonal(out)
+        rcond = 0.0 if rcond is None else rcond
+        return Diagonal([_diagonal_scales(v, damping, rcond, relative=relative, power=power) for v in self.values])
 
 
 
@@ -325,17 +354,12 @@ class KFAC(_Spectral, LinearOperator):
         # Damping acts on the Kronecker product itself, A kron B + lambda I,
         # diagonal in the factors' joint eigenbasis: an EKFAC operator.
         la, qa, lb, qb = self.eigh()
-        s = la[:, None] * lb[None, :]
-        rcond = max(self.view) * _eps(s.dtype) if rcond is None else rcond
+        rcond = max(self.view) * _eps(la.dtype) if rcond is None else rcond
         if not self.gram:
-            lam = _absolute(damping, relative, mean(s))
-            return EKFAC(qa, qb, spectral(s, lam, power, rcond), self.shapes[0], self.split, orthogonal=True)
-        # The input factor's null space: eigenvalue 0 in every column, so
-        # one scale there, (0 + lambda)^-power, cut off as the others are.
-        m, n = self.view
-        lam = _absolute(damping, relative, ops.sum(s) / float(m * n))
-        both = spectral(ops.concatenate([ops.reshape(s, (-1,)), ops.zeros((1,), s.dtype)]), lam, power, rcond)
-        return EKFAC(qa, qb, ops.reshape(both[:-1], ops.shape(s)), self.shapes[0], self.split, orthogonal=True, null=both[-1])
+            s = _kronecker_scales(la, lb, damping, rcond, relative=relative, power=power)
+            return EKFAC(qa, qb, s, self.shapes[0], self.split, orthogonal=True)
+        s, null = _gram_kronecker_scales(la, lb, damping, rcond, relative=relative, power=power, size=self.view[0] * self.view[1])
+        return EKFAC(qa, qb, s, self.shapes[0], self.split, orthogonal=True, null=null)
 
 
 
