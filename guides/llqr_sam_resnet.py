@@ -60,7 +60,7 @@ import keras_geosam as kg
 SHORT_METRICS = ("riemannian_sharpness", "hessian_trace")
 SIZES = {
     "smoke": dict(n_train=64, n_test=32, epochs=2, batch=16, width=8, blocks=1,
-                  refresh_every=4, refresh_steps=5, metrics=SHORT_METRICS, n_probe=32, probes=4,
+                  refresh_every=4, refresh_steps=2, metrics=SHORT_METRICS, n_probe=32, probes=4,
                   log_every=2),
     "small": dict(n_train=256, n_test=64, epochs=2, batch=32, width=8, blocks=1,
                   refresh_every=8, refresh_steps=20, metrics=SHORT_METRICS, n_probe=64, probes=10,
