@@ -28,7 +28,7 @@
 #                 hung run (pytest-xdist waits forever once a worker process dies; a
 #                 test stuck inside a C++ kernel never sees pytest-timeout's signal)
 #                 fails its stage with exit 124 instead of eating the whole CI budget
-#   TOTAL_LIMIT   seconds the whole script may take (default 4800, inside CI's 5400):
+#   TOTAL_LIMIT   seconds the whole script may take (default 5200, inside CI's 5400):
 #                 each stage gets at most what is left, so a hung stage still leaves a
 #                 summary that names it; a stage with no time left is not started
 #   KERAS_GEOSAM_SMALL_GUIDES  1: integration_tests also run the guides' small modes
@@ -45,7 +45,7 @@ SKIP_INSTALL="${SKIP_INSTALL:-0}"
 BACKENDS="${BACKENDS:-tensorflow jax torch}"
 WORKERS="${WORKERS:-auto}"
 STAGE_LIMIT="${STAGE_LIMIT:-2400}"
-TOTAL_LIMIT="${TOTAL_LIMIT:-4800}"
+TOTAL_LIMIT="${TOTAL_LIMIT:-5200}"
 # Split PYTEST_ARGS like a shell would (quotes honoured, nothing executed):
 # PYTEST_ARGS='-k "not slow" -x'
 PYTEST_EXTRA=()
