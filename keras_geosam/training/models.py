@@ -75,6 +75,11 @@ def _with_refresh_monitor(model, kwargs):
     return dict(kwargs, callbacks=callbacks)
 
 
+def _fit_x(args, kwargs):
+    """The `x` of a ``fit(*args, **kwargs)`` call (None if absent)."""
+    return kwargs.get("x", args[0] if args else None)
+
+
 def _check_fit_batches(model, args, kwargs):
     """Array data under a keras.distribution or tf.distribute strategy:
     every batch must split evenly over the devices
@@ -85,7 +90,7 @@ def _check_fit_batches(model, args, kwargs):
     if backend.data_parallel_shards(model) <= 1:
         return
 
-    x = kwargs.get("x", args[0] if args else None)
+    x = _fit_x(args, kwargs)
     first = keras.tree.flatten(x)[0] if x is not None and keras.tree.is_nested(x) else x
     if first is None or not hasattr(first, "shape") or not hasattr(first, "__len__"):
         return  # a dataset or generator sets its own batches
@@ -100,7 +105,7 @@ def _check_fit_inputs(model, args, kwargs):
     without naming the id. A dataset or generator is not read ahead."""
     from keras_geosam.curvature.tokens import check_inputs_fit
 
-    x = kwargs.get("x", args[0] if args else None)
+    x = _fit_x(args, kwargs)
     leaves = keras.tree.flatten(x) if x is not None else []
     if leaves and all(hasattr(a, "shape") and hasattr(a, "__len__") for a in leaves):
         check_inputs_fit(model, x)
