@@ -83,17 +83,42 @@ def _rademacher_body(k, start, *, count, shapes, dtype):
     # The whole flat vector's words hashed at once (one hash in the kernel,
     # not one per tensor: a Transformer's ~20 tensors made its compile 20
     # hashes long); each tensor then reads its own words.
-    h_all = bits(k, rows, ops.arange(0, (sum(sizes) + 31) // 32, dtype="int32"))  # (count, words)
+    words = (sum(sizes) + 31) // 32
+    h_all = bits(k, rows, ops.arange(0, words, dtype="int32"))  # (count, words)
     out, offset = [], 0
-    for shape, size in zip(shapes, sizes):
+    for group in _groups(sizes):
+        # Signs of a run of small tensors unpacked at once, then one slice
+        # each: one unpacking per tensor made MobileNetV3Small's 284-tensor
+        # kernel take ~9 s to compile. A large tensor is a run of its own,
+        # so no copy of a large model's whole probe is made.
+        size = sum(sizes[i] for i in group)
         w0, w1 = offset // 32, (offset + size - 1) // 32 + 1
         h = h_all[:, w0:w1]
         octets = ops.stack([ops.bitwise_and(ops.right_shift(h, 8 * i), _const(255)) for i in range(4)], axis=-1)
-        signs = ops.take(table, octets, axis=0)  # (count, words, 4, 8): bit 8 i + j of each word
-        signs = ops.reshape(signs, (count, 32 * (w1 - w0)))[:, offset - 32 * w0 : offset - 32 * w0 + size]
-        out.append(ops.reshape(signs, (count,) + tuple(shape)))
+        signs = ops.reshape(ops.take(table, octets, axis=0), (count, 32 * (w1 - w0)))  # bit 8 i + j of each word
+        at = offset - 32 * w0
+        for i in group:
+            out.append(ops.reshape(signs[:, at : at + sizes[i]], (count,) + tuple(shapes[i])))
+            at += sizes[i]
         offset += size
     return out
+
+
+# Tensors unpacked together while their run holds at most this many entries.
+_GROUP_ELEMENTS = 1 << 18
+
+
+def _groups(sizes):
+    """Runs of consecutive tensor indices, each of at most
+    ``_GROUP_ELEMENTS`` entries unless one tensor alone is larger."""
+    groups, current, total = [], [], 0
+    for i, size in enumerate(sizes):
+        if current and total + size > _GROUP_ELEMENTS:
+            groups.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += size
+    return groups + [current] if current else groups
 
 
 _KERNELS = KernelCache()

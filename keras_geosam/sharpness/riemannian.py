@@ -28,6 +28,7 @@ parameter (``info["normalized"]``), and a warning is issued.
 import numpy as np
 from keras import ops
 
+from keras_geosam import backend
 from keras_geosam._checks import check_int
 from keras_geosam._checks import check_number
 from keras_geosam._checks import renamed_arguments
@@ -71,17 +72,30 @@ def _count(condition):
     return ops.sum(ops.cast(condition, "int32"))
 
 
+def _nonzero_count(values):
+    return _count(ops.not_equal(values, 0))
+
+
+def _gram_kept_count(QA, s, null, rows, columns):
+    # A Gram-built block: QA's nonzero columns, then the complement (one
+    # scale, `null`, on (rows - rank) * columns directions).
+    used = ops.greater(ops.sum(ops.square(QA), axis=0), 0)
+    kept = _count(ops.logical_and(ops.not_equal(s, 0), used[:, None]))
+    rest = (rows - _count(used)) * columns
+    return kept + rest * ops.cast(ops.not_equal(null, 0), "int32")
+
+
+# One program per block shape on JAX (eager, each op compiles per shape).
+_nonzero_kernel = backend.block_kernel(_nonzero_count)
+_gram_kept_kernel = backend.block_kernel(_gram_kept_count, static_argnames=("rows", "columns"))
+
+
 def _kept(block):
     """Directions an inverse block keeps (nonzero scale): coordinates of a
     diagonal block, Kronecker eigen-directions of a K-FAC / EK-FAC one."""
     if isinstance(block, EKFAC) and block.null is not None:
-        # A Gram-built block: QA's nonzero columns, then the complement
-        # (one scale, `null`, on (m - rank) * n directions).
-        used = ops.greater(ops.sum(ops.square(block.QA), axis=0), 0)
-        kept = _count(ops.logical_and(ops.not_equal(block.s, 0), used[:, None]))
-        rest = (block.view[0] - _count(used)) * block.view[1]
-        return kept + rest * ops.cast(ops.not_equal(block.null, 0), "int32")
-    return _count(ops.not_equal(block.s if isinstance(block, EKFAC) else block.values[0], 0))
+        return _gram_kept_kernel(block.QA, block.s, block.null, rows=block.view[0], columns=block.view[1])
+    return _nonzero_kernel(block.s if isinstance(block, EKFAC) else block.values[0])
 
 
 def _metric_info(M, Minv, damping, rcond):

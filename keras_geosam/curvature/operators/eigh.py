@@ -43,12 +43,12 @@ def symmetric_eigh(matrix, what="a curvature block"):
     """
     if isinstance(matrix, np.ndarray):
         return _host_eigh((matrix + matrix.T) / 2, what)
-    a = (matrix + ops.transpose(matrix)) / 2
-    if not backend.is_concrete(a):
-        return backend.eigh(a)
-    found = _attempt(backend.eigh, a)
+    if not backend.is_concrete(matrix):
+        return backend.eigh(_symmetrised(matrix))
+    found = _first_try(matrix)
     if found is not None:
         return found
+    a = _symmetrised(matrix)
     host = np.asarray(ops.convert_to_numpy(a), dtype="float64")
     _check_finite(host, what)
     jitter = _jitter(host)
@@ -57,6 +57,34 @@ def symmetric_eigh(matrix, what="a curvature block"):
         return shifted[0] - ops.cast(jitter, a.dtype), shifted[1]
     w, v = _host_eigh(host, what, device_tried=True)
     return ops.convert_to_tensor(w, dtype=a.dtype), ops.convert_to_tensor(v, dtype=a.dtype)
+
+
+def _symmetrised(matrix):
+    return (matrix + ops.transpose(matrix)) / 2
+
+
+def _device_solve(matrix, solver):
+    w, v = solver(_symmetrised(matrix))
+    return w, v, ops.logical_and(ops.all(ops.isfinite(w)), ops.all(ops.isfinite(v)))
+
+
+# The first try, with its finiteness check, as one program per block shape
+# on JAX: eagerly, each of its ops compiles for each shape. The solver is
+# looked up per call (a static argument), so a replaced ``backend.eigh``
+# is the one that runs.
+_device_solve_kernel = backend.block_kernel(_device_solve, static_argnames=("solver",))
+
+
+def _first_try(matrix):
+    """The device's solver on the symmetrised block, or None where it
+    raised a numerical error or gave NaN or Inf (as ``_attempt``)."""
+    try:
+        w, v, finite = _device_solve_kernel(matrix, solver=backend.eigh)
+    except Exception as error:  # noqa: BLE001 - named in _numerical
+        if not _numerical(error):
+            raise
+        return None
+    return (w, v) if bool(ops.convert_to_numpy(finite)) else None
 
 
 def _host_eigh(host, what, device_tried=False):

@@ -125,10 +125,10 @@ class ModelOperator(LinearOperator):
 
         for xb, yb, swb, nb, offset in self.batches():
             out = self.over_replicas(share_of, xb, yb, swb, offset)
-            if swb is None:
+            if swb is None and nb != self.num_examples:  # one whole batch: its share is 1
                 w = nb / self.num_examples
-                out = [o * backend.device_constant(np.asarray(w, keras.backend.standardize_dtype(o.dtype))) for o in out]
-            total = out if total is None else [t + o for t, o in zip(total, out)]
+                out = _scaled(out, [backend.device_constant(np.asarray(w, keras.backend.standardize_dtype(o.dtype))) for o in out])
+            total = out if total is None else _added(total, out)
         return total
 
     def matmat(self, vectors):
@@ -497,6 +497,20 @@ class GGN(ModelOperator):
 
 
 Fisher = GGN
+
+
+def _scaled_body(tensors, scales):
+    return [t * c for t, c in zip(tensors, scales)]
+
+
+def _added_body(a, b):
+    return [x + y for x, y in zip(a, b)]
+
+
+# Sums over batches of a product's hundreds of tensors: one program per
+# layout on JAX, not one eager op per tensor shape.
+_scaled = backend.block_kernel(_scaled_body)
+_added = backend.block_kernel(_added_body)
 
 
 def _one_block_per_variable(weight, shapes):

@@ -99,6 +99,20 @@ _kronecker_scales = backend.block_kernel(_kronecker_body, static_argnames=("rela
 _gram_kronecker_scales = backend.block_kernel(_gram_kronecker_body, static_argnames=("relative", "power", "size"))
 
 
+def _where_body(keep, tensors):
+    # where, not a product: a masked block's Inf must not become NaN.
+    return [ops.where(keep, t, ops.zeros_like(t)) for t in tensors]
+
+
+def _kronecker_top_body(la, lb):
+    return ops.max(la) * ops.max(lb)
+
+
+# Also one program per block shape on JAX: ``_blockwise`` masks every block.
+_where_kept = backend.block_kernel(_where_body)
+_kronecker_top = backend.block_kernel(_kronecker_top_body)
+
+
 def _matrix_view(shape, split):
     split = len(shape) - 1 if split is None else int(split)
     if not 1 <= split < len(shape):
@@ -184,8 +198,7 @@ class Diagonal(_Spectral, LinearOperator):
 
     def masked(self, keep):
         """This operator where `keep` (a scalar boolean tensor), else zero."""
-        # where, not a product: a masked block's Inf must not become NaN.
-        return Diagonal([ops.where(keep, v, ops.zeros_like(v)) for v in self.values])
+        return Diagonal(_where_kept(keep, list(self.values)))
 
     def _spectral(self, damping, relative, power, rcond):
         rcond = 0.0 if rcond is None else rcond
@@ -348,7 +361,7 @@ class KFAC(_Spectral, LinearOperator):
 
     def top_eigenvalue(self):
         la, _, lb, _ = self.eigh()
-        return ops.max(la) * ops.max(lb)
+        return _kronecker_top(la, lb)
 
     def _spectral(self, damping, relative, power, rcond):
         # Damping acts on the Kronecker product itself, A kron B + lambda I,
@@ -361,6 +374,31 @@ class KFAC(_Spectral, LinearOperator):
         s, null = _gram_kronecker_scales(la, lb, damping, rcond, relative=relative, power=power, size=self.view[0] * self.view[1])
         return EKFAC(qa, qb, s, self.shapes[0], self.split, orthogonal=True, null=null)
 
+
+
+def _ekfac_body(QA, QG, s, null, X, view):
+    """``Q_A (s * (Q_A^T X_k Q_G)) Q_G^T`` for each ``X_k`` of `X`
+    (``EKFAC.matmat``; QA None: the identity)."""
+    k = ops.shape(X)[0]
+    QG, s = ops.cast(QG, X.dtype), ops.cast(s, X.dtype)
+    Y = ops.reshape(X, (k,) + tuple(view))
+    QGt = ops.transpose(QG)
+    if QA is None:
+        Y = backend.sandwich(None, s[None] * backend.sandwich(None, Y, QGt), QG)
+    else:
+        QA = ops.cast(QA, X.dtype)
+        inner = backend.sandwich(ops.transpose(QA), Y, QGt)
+        if null is None:
+            Y = backend.sandwich(QA, s[None] * inner, QG)
+        else:  # QA QA^T Y = QA (QA^T Y QG) QG^T: the same inner product
+            null = ops.cast(null, X.dtype)
+            Y = backend.sandwich(QA, (s - null)[None] * inner, QG) + null * Y
+    return ops.reshape(Y, ops.shape(X))
+
+
+# One program per block shape on JAX, as the scales above: an EK-FAC
+# product is ten eager ops, each compiled for each shape.
+_ekfac_product = backend.block_kernel(_ekfac_body, static_argnames=("view",))
 
 
 class EKFAC(_Spectral, LinearOperator):
@@ -439,21 +477,7 @@ class EKFAC(_Spectral, LinearOperator):
 
     def matmat(self, vectors):
         (X,) = self.check(vectors)
-        k = ops.shape(X)[0]
-        QG, s = ops.cast(self.QG, X.dtype), ops.cast(self.s, X.dtype)
-        Y = ops.reshape(X, (k,) + self.view)
-        QGt = ops.transpose(QG)
-        if self.QA is None:
-            Y = backend.sandwich(None, s[None] * backend.sandwich(None, Y, QGt), QG)
-        else:
-            QA = ops.cast(self.QA, X.dtype)
-            inner = backend.sandwich(ops.transpose(QA), Y, QGt)
-            if self.null is None:
-                Y = backend.sandwich(QA, s[None] * inner, QG)
-            else:  # QA QA^T Y = QA (QA^T Y QG) QG^T: the same inner product
-                null = ops.cast(self.null, X.dtype)
-                Y = backend.sandwich(QA, (s - null)[None] * inner, QG) + null * Y
-        return [ops.reshape(Y, ops.shape(X))]
+        return [_ekfac_product(self.QA, self.QG, self.s, self.null, X, view=self.view)]
 
     def _range_scales(self):
         """Scales on QA's columns, and the constant added everywhere."""
@@ -484,9 +508,9 @@ class EKFAC(_Spectral, LinearOperator):
         return ops.max(self.s) if self.null is None else ops.max(ops.stack([ops.max(self.s), self.null]))
 
     def masked(self, keep):
-        zero = lambda v: ops.where(keep, v, ops.zeros_like(v))  # noqa: E731 (no Inf * 0 = NaN)
-        null = None if self.null is None else zero(self.null)
-        return EKFAC(self.QA, self.QG, zero(self.s), self.shapes[0], self.split, self.orthogonal, null)
+        kept = _where_kept(keep, [self.s] if self.null is None else [self.s, self.null])
+        null = None if self.null is None else kept[1]
+        return EKFAC(self.QA, self.QG, kept[0], self.shapes[0], self.split, self.orthogonal, null)
 
     def _spectral(self, damping, relative, power, rcond):
         if not self.orthogonal:
