@@ -368,18 +368,24 @@ class GGN(ModelOperator):
         gram = self._gram_rules(approximation)
         stats = self.statistics(kernel_diag=(), factors=True, approximation=approximation, gram=gram)
         n = ops.cast(self.normaliser, self.dtype)
-        kernels = {}
-        for j, rule in enumerate(self.capture.kfac_rules):
+        rules = list(enumerate(self.capture.kfac_rules))
+        covered = {self.capture.position[id(rule.kernel)] for _, rule in rules}
+        diagonal = [i for i in range(len(self.shapes)) if i not in covered]
+        # Every factor's normalisation at once: one program on JAX, not an
+        # eager division per factor shape.
+        inputs, outputs, diags = _divided(
+            [stats["R"][j] if j in gram else stats["A"][j] for j, _ in rules],
+            [ops.sqrt(stats["rows"][j]) if j in gram else stats["rows"][j] for j, _ in rules],
+            [stats["B"][j] for j, _ in rules], [stats["diag"][i] for i in diagonal], n)
+        blocks = dict(zip(diagonal, (Diagonal([d]) for d in diags)))
+        for (j, rule), a, b in zip(rules, inputs, outputs):
             i = self.capture.position[id(rule.kernel)]
             if j in gram:
-                R = stats["R"][j] / ops.sqrt(stats["rows"][j])
-                kernels[i] = KFAC.from_rows(R, stats["B"][j] / n, self.shapes[i], rule.split)
-                continue
-            cls = DiagonalInputKFAC if rule.diagonal_input else KFAC
-            kernels[i] = cls(stats["A"][j] / stats["rows"][j], stats["B"][j] / n, self.shapes[i], rule.split)
+                blocks[i] = KFAC.from_rows(a, b, self.shapes[i], rule.split)
+            else:
+                blocks[i] = (DiagonalInputKFAC if rule.diagonal_input else KFAC)(a, b, self.shapes[i], rule.split)
         warn_diagonal_fallback([(self.fns.paths[i], self.shapes[i]) for i in self.capture.uncovered], "the K-FAC metric")
-        blocks = [kernels[i] if i in kernels else Diagonal([stats["diag"][i] / n]) for i in range(len(self.shapes))]
-        return BlockDiagonal(blocks, paths=self.fns.paths)
+        return BlockDiagonal([blocks[i] for i in range(len(self.shapes))], paths=self.fns.paths)
 
     def _gram_rules(self, approximation):
         """K-FAC rules whose input factor is built from fewer rows than it is
@@ -431,18 +437,14 @@ class GGN(ModelOperator):
             elif i in kernel_pos:
                 diag_rules.append(kernel_pos[i])
         stats = self.statistics(kernel_diag=tuple(diag_rules), bases=bases)
-        parts = []
-        for i, b in enumerate(blocks):
-            if isinstance(b, EKFAC):
-                value = stats["quad"][i]
-                if b.null is not None:
-                    value = value + ops.cast(b.null, value.dtype) * ops.sum(stats["diag"][i])
-            else:
-                d = stats["diag"][i]
-                value = ops.sum(d) if b is None else ops.sum(d * ops.cast(b.values[0], d.dtype))
-            parts.append(value)
+        ekfac = [isinstance(b, EKFAC) for b in blocks]
+        parts = _trace_parts(
+            [stats["quad"][i] if e else None for i, e in enumerate(ekfac)],
+            [b.null if e else None for b, e in zip(blocks, ekfac)],
+            [stats["diag"][i] if not e or b.null is not None else None for i, (b, e) in enumerate(zip(blocks, ekfac))],
+            [None if e or b is None else b.values[0] for b, e in zip(blocks, ekfac)], dtype=self.dtype)
         # One transfer for every variable's part.
-        values = np.asarray(ops.convert_to_numpy(ops.stack([ops.cast(p, self.dtype) for p in parts])), "float64")
+        values = np.asarray(ops.convert_to_numpy(parts), "float64")
         parts = [float(v) / self.normaliser for v in values]
         return float(sum(parts)), parts
 
@@ -505,6 +507,29 @@ def _scaled_body(tensors, scales):
 
 def _added_body(a, b):
     return [x + y for x, y in zip(a, b)]
+
+
+def _divided_body(inputs, rows, outputs, diags, n):
+    """K-FAC factors and diagonal blocks over their normalisers."""
+    return [a / r for a, r in zip(inputs, rows)], [b / n for b in outputs], [d / n for d in diags]
+
+
+def _trace_parts_body(quads, nulls, diags, weights, dtype):
+    """Each variable's part of ``tr(weight @ GGN)`` (``trace_with``):
+    an EK-FAC block's quadratic form (plus `null` times the squared
+    gradients' sum), or a diagonal block's weighted sum."""
+    parts = []
+    for quad, null, d, w in zip(quads, nulls, diags, weights):
+        if quad is not None:
+            value = quad if null is None else quad + ops.cast(null, quad.dtype) * ops.sum(d)
+        else:
+            value = ops.sum(d) if w is None else ops.sum(d * ops.cast(w, d.dtype))
+        parts.append(ops.cast(value, dtype))
+    return ops.stack(parts)
+
+
+_divided = backend.block_kernel(_divided_body)
+_trace_parts = backend.block_kernel(_trace_parts_body, static_argnames=("dtype",))
 
 
 # Sums over batches of a product's hundreds of tensors: one program per

@@ -113,6 +113,24 @@ _where_kept = backend.block_kernel(_where_body)
 _kronecker_top = backend.block_kernel(_kronecker_top_body)
 
 
+def _gram_body(R):
+    return ops.einsum("rm,sm->rs", R, R)
+
+
+def _gram_basis_body(R, w, U):
+    """``KFAC._gram_eigh``'s eigenvalues and ``m x r`` eigenvectors from the
+    Gram matrix's ``(w, U)``; rounding-level eigenvalues count as zero."""
+    tol = scalar(int(R.shape[0]) * _eps(w.dtype), w.dtype) * ops.abs(ops.max(w))
+    keep = ops.greater(w, tol)
+    w = ops.where(keep, w, ops.zeros_like(w))
+    inv = ops.where(keep, 1.0 / ops.sqrt(ops.where(keep, w, ops.ones_like(w))), ops.zeros_like(w))
+    return w, ops.einsum("rm,rs->ms", R, U) * inv[None, :]
+
+
+_gram = backend.block_kernel(_gram_body)
+_gram_basis = backend.block_kernel(_gram_basis_body)
+
+
 def _matrix_view(shape, split):
     split = len(shape) - 1 if split is None else int(split)
     if not 1 <= split < len(shape):
@@ -352,12 +370,8 @@ class KFAC(_Spectral, LinearOperator):
         at rounding level (below r * eps * max) count as zero, their columns
         too."""
         R = self.rows
-        w, U = symmetric_eigh(ops.einsum("rm,sm->rs", R, R), "the Gram matrix of the K-FAC input factor")
-        tol = scalar(int(R.shape[0]) * _eps(w.dtype), w.dtype) * ops.abs(ops.max(w))
-        keep = ops.greater(w, tol)
-        w = ops.where(keep, w, ops.zeros_like(w))
-        inv = ops.where(keep, 1.0 / ops.sqrt(ops.where(keep, w, ops.ones_like(w))), ops.zeros_like(w))
-        return w, ops.einsum("rm,rs->ms", R, U) * inv[None, :]
+        w, U = symmetric_eigh(_gram(R), "the Gram matrix of the K-FAC input factor")
+        return _gram_basis(R, w, U)
 
     def top_eigenvalue(self):
         la, _, lb, _ = self.eigh()
