@@ -32,6 +32,18 @@ def test_rademacher_equals_the_numpy_hash(seed, stream):
         np.testing.assert_array_equal(g, w)
 
 
+def test_tensors_unpacked_in_several_runs_equal_the_numpy_hash(monkeypatch):
+    # Runs of at most 13 entries: runs start and end inside a 32-bit word,
+    # and a tensor larger than a run is a run of its own.
+    shapes = [(2, 3), (7,), (40,), (1,), (3, 3), (2, 2, 2), (29,)]
+    monkeypatch.setattr(probes, "_GROUP_ELEMENTS", 13)
+    runs = probes._groups([int(np.prod(s)) for s in shapes])
+    assert runs == [[0, 1], [2], [3, 4], [5], [6]]
+    got = np_list(probes.rademacher(9, 2, 5, shapes, "float32", "sketch"))
+    for g, w in zip(got, ref.hash_rademacher(9, 2, 5, shapes, "sketch")):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_a_probe_does_not_depend_on_how_many_are_drawn_together():
     block = np_list(probes.rademacher(11, 0, 8, SHAPES, "float32"))
     for i in (0, 5, 7):
