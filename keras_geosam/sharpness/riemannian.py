@@ -236,18 +236,30 @@ def riemannian_sharpness(
     damping = DEFAULT_DAMPING if damping is None else float(damping)
     M = fisher_metric(model, x, y, structure, kind, num_samples, seed, batch_size, loss, sample_weight=sample_weight,
                       max_exact_classes=max_exact_classes, exact_samples=exact_samples)
-    M_inverse = M.inverse(damping, relative=True, rcond=rcond)
-
-    def M_inverse_sqrt():  # only the probed parts need it
-        return M.inverse_sqrt(damping, relative=True, rcond=rcond)
-
     info = {"metric": structure, "fisher": kind, "damping": damping, "damping_relative_to": "each block's mean eigenvalue"}
     info.update(M.info if hasattr(M, "info") else {})
     info["stderr_given_metric"] = bool(info.get("metric_sampled"))
-    info.update(_metric_info(M, M_inverse, damping, rcond))
+    info.update(_metric_info(M, M.inverse(damping, relative=True, rcond=rcond), damping, rcond))
+    # The probes' products need the most memory, so neither M's factors nor
+    # M^-1 (each about a copy of the weights) is kept for them: M^-1 is
+    # rebuilt for the exact part from the cached eigendecompositions
+    # (element-wise work) and freed after it, and M itself once M^-1/2 is
+    # built (which holds the eigenvectors it needs).
+    metric = [M]
+    del M
+
+    def M_inverse():
+        return metric[0].inverse(damping, relative=True, rcond=rcond)
+
+    def M_inverse_sqrt():  # only the probed parts need it
+        S = metric[0].inverse_sqrt(damping, relative=True, rcond=rcond)
+        metric.clear()
+        return S
+
     if split:
         what = f"riemannian_sharpness (structure={structure!r}, damping={damping:g})"
-        est = split_trace(model, x, y, M_inverse, M_inverse_sqrt, num_probes, rtol, max_probes, estimator, seed, batch_size, loss, verbose,
+        est = split_trace(model, x, y, M_inverse, M_inverse_sqrt,
+                          num_probes, rtol, max_probes, estimator, seed, batch_size, loss, verbose,
                           sample_weight, max_exact_classes, exact_samples, what, min_probes)
     else:
         S = M_inverse_sqrt()

@@ -70,7 +70,8 @@ def split_trace(model, x, y, inverse=None, inverse_sqrt=None, num_probes=20, rto
                 sample_weight=None, max_exact_classes=MAX_EXACT_CLASSES, exact_samples=8, what="tr H", min_probes=10):
     """``tr(M^-1 H) = tr(M^-1 GGN)`` (exact) ``+ tr(M^-1 (H - GGN))`` (probes).
 
-    `inverse` is ``M^-1`` (None: the identity, giving ``tr H``) and
+    `inverse` is ``M^-1`` or a function returning it (None: the identity,
+    giving ``tr H``), released once the exact part is computed, and
     `inverse_sqrt` ``M^-1/2`` or a function returning it (called only when
     the residual needs probes), used for the symmetric probe form
     ``z^T M^-1/2 (H - GGN) M^-1/2 z``. Above `max_exact_classes` output
@@ -85,7 +86,11 @@ def split_trace(model, x, y, inverse=None, inverse_sqrt=None, num_probes=20, rto
     """
     fns = model_functions(model, loss, training=False)
     G = GGN(model, x, y, kind="exact", loss=loss, batch_size=batch_size, sample_weight=sample_weight)
-    exact, exact_se, parts, ginfo = G.trace_estimate(inverse, max_exact_classes, exact_samples, seed)
+    exact, exact_se, parts, ginfo = G.trace_estimate(inverse() if callable(inverse) else inverse, max_exact_classes,
+                                                     exact_samples, seed)
+    # Built from a function, M^-1 (a copy of the weights' size) is freed
+    # here, before the probes' products need their memory.
+    inverse = None
     require_finite(exact, model, x, f"{what} (its GGN part)", batch_size)
     per_layer = dict(zip(fns.paths, parts))
     info = _common.data_info(x, batch_size)
