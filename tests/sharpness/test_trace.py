@@ -110,3 +110,49 @@ def test_the_flag_is_predicted_from_the_arguments(structure, kind, max_exact_cla
         est = kg.sharpness.riemannian_sharpness(model, x, y, structure=structure, kind=kind, num_probes=4, rtol=None,
                                                 max_exact_classes=max_exact_classes, metric_draws=draws, seed=3)
     assert stderr_given_metric(structure, kind, 3, max_exact_classes, draws) == est.info["stderr_given_metric"]
+
+
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("structure", ["kfac", "diagonal"])
+def test_the_metric_and_its_inverse_are_freed_before_the_probes(monkeypatch, split, structure):
+    # The probes' products need the most memory: riemannian_sharpness must
+    # not hold M (its factors) or M^-1 (a copy of the weights' size) while
+    # they run. Checked by weak references, freed by reference counting.
+    import weakref
+
+    from keras_geosam.curvature.operators import BlockDiagonal
+    from keras_geosam.sharpness import riemannian
+    from keras_geosam.sharpness import trace
+
+    refs, alive_at_probes = [], []
+    build, invert = riemannian.fisher_metric, BlockDiagonal.inverse
+
+    def fisher_metric(*args, **kwargs):
+        M = build(*args, **kwargs)
+        refs.append(weakref.ref(M))
+        return M
+
+    def inverse(self, *args, **kwargs):
+        out = invert(self, *args, **kwargs)
+        refs.append(weakref.ref(out))
+        return out
+
+    def probed(estimate):
+        def run(*args, **kwargs):
+            alive_at_probes.append(sum(r() is not None for r in refs))
+            return estimate(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(riemannian, "fisher_metric", fisher_metric)
+    monkeypatch.setattr(BlockDiagonal, "inverse", inverse)
+    monkeypatch.setattr(riemannian, "stochastic_trace", probed(riemannian.stochastic_trace))
+    monkeypatch.setattr(trace, "stochastic_trace", probed(trace.stochastic_trace))
+    model, x, y = _tanh_net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = kg.sharpness.riemannian_sharpness(model, x, y, structure=structure, split=split, num_probes=2, rtol=None)
+    assert np.isfinite(est.value)
+    # M, the inverse for the counts, the pseudo-inverse (undamped counts),
+    # and with split the inverse rebuilt for the exact part.
+    assert len(refs) >= (3 if split else 2)
+    assert alive_at_probes == [0]
