@@ -481,14 +481,17 @@ def run_estimators(args, shape, probes=ESTIMATOR_PROBES):
             setup[name]()
             fixed = time.perf_counter() - t0
         marginal = max(seconds - fixed, 0.0) / probes
+        # A process that already held the memory (a test's, after other
+        # tests) may not grow for a small step: no ratio can be read then.
+        over_step = peak / out["step_peak_bytes"] if out["step_peak_bytes"] > 0 else None
         out[name] = dict(probes=probes, per_probe_s=per_probe, per_probe_gradients=per_probe / out["gradient_s"],
                          setup_gradients=fixed / out["gradient_s"], marginal_gradients=marginal / out["gradient_s"],
-                         compile_s=first - seconds, peak_bytes=peak, peak_over_step=peak / out["step_peak_bytes"],
+                         compile_s=first - seconds, peak_bytes=peak, peak_over_step=over_step,
                          value=float(estimate.value), stderr=float(estimate.stderr))
         log(f"[{b}] {shape} {name}: {per_probe:.2f} s per probe = {per_probe / out['gradient_s']:.2f} gradients "
             f"({out[name]['setup_gradients']:.2f} once + {out[name]['marginal_gradients']:.2f} per probe) "
             f"({out['gradient_s']:.2f} s), first call +{first - seconds:.1f} s, peak {peak / 1e9:.2f} GB = "
-            f"{out[name]['peak_over_step']:.2f} x the step's")
+            f"{_f(out[name]['peak_over_step'])} x the step's")
     return out
 
 
@@ -504,7 +507,7 @@ def estimator_table(rows):
             lines.append(f"| {r['backend']} | {r['shape']} | {name} | {e['per_probe_s']:.2f} | "
                          f"{e['per_probe_gradients']:.2f} | {e['setup_gradients']:.2f} | {e['marginal_gradients']:.2f} | "
                          f"{e['compile_s']:.1f} | {e['peak_bytes'] / 1e9:.2f} | "
-                         f"{e['peak_over_step']:.2f} |")
+                         f"{_f(e['peak_over_step'])} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 

@@ -82,22 +82,46 @@ def test_the_bench_runs_every_method_on_a_tiny_gpt2(tmp_path):
     assert "Goals:" in proc.stdout and proc.stdout.count(f"| {keras.backend.backend()} | toy | small |") == 3
 
 
-def test_the_estimator_bench_reads_a_probe_in_gradients_on_a_tiny_gpt2():
+class _Memory:
+    """Known peaks in the order the estimator bench reads them (the step's,
+    tr H's, S_R's) above a resident set of 100: this test process already
+    holds memory from earlier tests, so its real set need not grow."""
+
+    def __init__(self, peaks):
+        self.device, self.peaks = None, iter(peaks)
+
+    def rss(self):
+        return 100
+
+    def reset(self):
+        pass
+
+    def peak(self):
+        return next(self.peaks)
+
+
+@pytest.mark.parametrize("step_peak, ratios", [(300, (1.5, 3.0)), (100, (None, None))])
+def test_the_estimator_bench_reads_a_probe_in_gradients_on_a_tiny_gpt2(monkeypatch, step_peak, ratios):
     """``--estimators`` on the toy, in this process: a probe's cost in
     gradients and the peak over a training step's are read, and both
-    estimates are finite numbers with their stderr."""
+    estimates are finite numbers with their stderr. A step whose peak
+    does not rise above the set before it gives no ratio, not a division
+    by zero."""
     pytest.importorskip("keras_hub")
     import scale
 
+    monkeypatch.setattr(scale, "Memory", lambda backend: _Memory([step_peak, 400, 700]))
     row = scale.run_estimators(None, "toy", probes=2)
-    assert row["gradient_s"] > 0 and row["step_peak_bytes"] != 0
-    for name in ("hessian_trace", "riemannian_sharpness_kfac"):
+    assert row["gradient_s"] > 0 and row["step_peak_bytes"] == step_peak - 100
+    for name, ratio, peak in zip(("hessian_trace", "riemannian_sharpness_kfac"), ratios, (300, 600)):
         e = row[name]
         assert e["per_probe_gradients"] == pytest.approx(e["per_probe_s"] / row["gradient_s"])
         assert e["marginal_gradients"] <= e["per_probe_gradients"]
-        assert np.isfinite(e["value"]) and e["stderr"] > 0 and np.isfinite(e["peak_over_step"])
+        assert np.isfinite(e["value"]) and e["stderr"] > 0
+        assert e["peak_bytes"] == peak and e["peak_over_step"] == ratio
     assert row["hessian_trace"]["setup_gradients"] == 0 and row["riemannian_sharpness_kfac"]["setup_gradients"] > 0
     assert "| toy | hessian_trace |" in scale.estimator_table([row])
+    assert scale.estimator_table([row]).splitlines()[2].endswith("| 1.50 |" if ratios[0] else "| - |")
 
 
 def test_paired_runs_take_their_steps_in_turn_and_read_ratios_within_a_round():
