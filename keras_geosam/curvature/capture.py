@@ -222,7 +222,9 @@ class Capture:
         out = {"diag": {}, "A": [], "B": [], "rows": [], "quad": {}, "R": {}}
         if factors:
             for j, (rule, a) in enumerate((r, a) for r, a in zip(self.rules, rows) if a is not None):
-                rw = _row_weights(sw, a, rule.kernel.dtype)
+                # Weights per output's terms: the input side takes each
+                # example's share (weights.py), the output side each term's.
+                rw = _row_weights(None if sw is None else self.fns.example_share(sw, rule.kernel.dtype), a, rule.kernel.dtype)
                 if j in gram:
                     R, count = rule.input_rows(a, approximation, rw)
                     out["R"][j] = R
@@ -337,6 +339,11 @@ class Capture:
 
         def losses(zs):
             # Each example's own mean over its positions (weighted by sw).
+            if self.fns.per_term(sw):  # per output's terms, over the example's share
+                values = spec.per_term(y, zs[0])
+                share = self.fns.example_share(sw, values.dtype)
+                safe = ops.where(share > 0, share, ops.ones_like(share))
+                return ops.sum(values * ops.cast(sw, values.dtype) / safe[:, None])
             values = spec.per_example(y, zs[0])
             if len(values.shape) == 1:
                 return ops.sum(values) if sw is None else ops.sum(values * ops.cast(ops.greater(sw, 0), values.dtype))

@@ -29,6 +29,7 @@ from keras_geosam.curvature.losses import resolve_loss
 from keras_geosam.curvature.data import input_arrays
 from keras_geosam.curvature.data import num_examples
 from keras_geosam.curvature.tokens import check_inputs_fit
+from keras_geosam.curvature import weights as token_weights
 from keras_geosam.curvature.weights import check_label_shape
 from keras_geosam.curvature.weights import output_mask
 from keras_geosam.curvature.weights import output_shape
@@ -145,9 +146,21 @@ class ModelFunctions:
         sum(sw) * regularisers``.
         """
         y_pred, losses = self.outputs(params, nt, x)
-        values = self.spec.per_example(y, y_pred)
+        # Weights per output's loss terms meet each term (weights.py).
+        values = self.spec.per_term(y, y_pred) if self.per_term(sw) else self.spec.per_example(y, y_pred)
         value = mean(values) if sw is None else ops.sum(values * ops.cast(sw, values.dtype))
         return value + self._regularisation(losses, value.dtype, sw)
+
+    def per_term(self, sw):
+        """Whether the batch weights `sw` are per output's loss terms
+        (``weights.py``): ``(N, T)`` on outputs laid side by side."""
+        return token_weights.is_per_term(self, sw)
+
+    def example_share(self, sw, dtype):
+        """Each example's share of the data (``(N,)``, or `sw` itself when
+        it is per example or per token)."""
+        sw = ops.cast(sw, dtype)
+        return self.spec.example_share(sw) if self.per_term(sw) else sw
 
     def _regularisation(self, losses, dtype, sw):
         """The regularisers' share of a batch: their sum, times ``sum(sw)``
@@ -155,7 +168,7 @@ class ModelFunctions:
         if not (self.include_regularization and losses):
             return ops.cast(0.0, dtype)
         reg = ops.sum(ops.stack([ops.cast(l, dtype) for l in losses]))
-        return reg if sw is None else reg * ops.sum(ops.cast(sw, dtype))
+        return reg if sw is None else reg * ops.sum(self.example_share(sw, dtype))
 
     def log_probs(self, params, nt, x):
         require_classifier(self.spec, "This quantity")
@@ -184,13 +197,16 @@ class ModelFunctions:
         _, (r,) = backend.value_and_grad(total, [ops.stop_gradient(z)])
         return ops.stop_gradient(r)
 
-    @staticmethod
-    def token_scale(z, sw=None):
+    def token_scale(self, z, sw=None):
         """``s_nt`` with ``s_nt^2`` each token's share of the loss up to the
         final division (``(N,) + positions``): ``1/T`` per token of an
         example without weights (the result is then divided by N), the
-        normalised weight ``sw`` with them (nothing divided later)."""
+        normalised weight ``sw`` with them (nothing divided later). Weights
+        per output's terms give a scale per output coordinate instead,
+        shaped like `z`."""
         shape = tuple(int(d) for d in z.shape[:-1])
+        if self.per_term(sw):
+            return ops.sqrt(self.spec.coordinates(ops.cast(sw, z.dtype)))
         if sw is not None:
             return ops.sqrt(ops.cast(sw, z.dtype))
         t = int(np.prod(shape[1:], dtype=np.int64))
@@ -251,6 +267,13 @@ class ModelFunctions:
             r = self.output_gradient(z, y)
             if sw is None:
                 out = r if positions == 1 else r / float(positions)
+            elif self.per_term(sw):
+                # c_n = (w_n * r_n) / sqrt(W_n): each output's terms weighted,
+                # W_n the example's share (weights.py); sqrt(w_n) r_n when
+                # every output has the same weights.
+                share = self.example_share(sw, z.dtype)
+                inv = ops.where(share > 0, 1.0 / ops.sqrt(ops.where(share > 0, share, ops.ones_like(share))), ops.zeros_like(share))
+                out = r * self.spec.coordinates(ops.cast(sw, z.dtype)) * inv[:, None]
             else:
                 # c_nt = w_nt r_nt / sqrt(W_n): sum_n c c^T = sum_n W_n g_n g_n^T,
                 # g_n the gradient of sequence n's weighted mean loss.
@@ -260,7 +283,9 @@ class ModelFunctions:
                 inv = ops.where(total > 0, 1.0 / ops.sqrt(ops.where(total > 0, total, ops.ones_like(total))), ops.zeros_like(total))
                 out = r * ops.expand_dims(w * ops.reshape(inv, (n,) + (1,) * (len(shape) - 2)), -1)
             return out[None]  # one column (k = 1)
-        s_col = ops.expand_dims(s, -1)
+        # Per output coordinate (weights per output's terms) or per token.
+        coordinate = self.per_term(sw)
+        s_col = s if coordinate else ops.expand_dims(s, -1)
         if kind == "exact":
             if dynamic:
                 q = ops.add(ops.arange(0, count, dtype="int32"), ops.cast(start, "int32"))
@@ -268,11 +293,13 @@ class ModelFunctions:
             else:
                 q = np.arange(int(start), int(start) + count)
                 pos, cls = q // num_classes, q % num_classes
-            flat_s = ops.reshape(s, (n, positions))
             # Each column's token: z at its position, (k, N, C).
             zt = ops.transpose(ops.take(ops.reshape(z, (n, positions, num_classes)), _ids(pos), axis=1), (1, 0, 2))
             onehot = _rows_of_eye(cls, num_classes, z.dtype)[:, None, :]
             vals = self.spec.likelihood.exact_factors(zt, onehot)
+            if coordinate:  # each column lies in one output's block of Q
+                return vals * s[None]
+            flat_s = ops.reshape(s, (n, positions))
             vals = vals * ops.transpose(ops.take(flat_s, _ids(pos), axis=1))[:, :, None]
             if positions == 1:
                 return ops.reshape(vals, (count,) + shape)
@@ -304,9 +331,11 @@ class ModelFunctions:
         dz = z - ops.stop_gradient(z)
         norm = 1.0 if sw is not None else ops.cast(ops.shape(z)[0], z.dtype)
         if kind == "exact":
-            s2 = ops.square(self.token_scale(z, sw))
+            s = self.token_scale(z, sw)
+            if self.per_term(sw):  # Q is block-diagonal over outputs: scale dz
+                return 0.5 * ops.sum(self.spec.likelihood.quadratic(ops.stop_gradient(z), dz * s))
             quad = self.spec.likelihood.quadratic(ops.stop_gradient(z), dz)
-            return 0.5 * ops.sum(s2 * quad) / norm
+            return 0.5 * ops.sum(ops.square(s) * quad) / norm
         c = self.output_factors(kind, z, y, key, offset, num_samples, sw)
         # A factor spans an example's positions (Monte-Carlo labels at every
         # token, an empirical gradient of the whole sequence): project each
@@ -325,7 +354,7 @@ class ModelFunctions:
         z = self.spec.logits(y_pred)
         r = self.output_gradient(z, y)
         s2 = ops.square(self.token_scale(z, sw))
-        value = ops.sum(ops.expand_dims(s2, -1) * r * z)
+        value = ops.sum((s2 if self.per_term(sw) else ops.expand_dims(s2, -1)) * r * z)
         if sw is None:
             value = value / ops.cast(ops.shape(z)[0], z.dtype)
         return value + self._regularisation(losses, value.dtype, sw)
@@ -358,11 +387,12 @@ class ModelFunctions:
         # Each example's own (weighted) mean loss over its positions.
         def f(p, xi, yi, wi):
             y_pred, _ = self.outputs(p, nt, xi)
-            values = self.spec.per_example(yi, y_pred)
             if wi is None:
-                return mean(values)
+                return mean(self.spec.per_example(yi, y_pred))
+            per_term = self.per_term(wi)
+            values = self.spec.per_term(yi, y_pred) if per_term else self.spec.per_example(yi, y_pred)
             wi = ops.cast(wi, values.dtype)
-            total = ops.sum(wi)
+            total = ops.sum(self.example_share(wi, values.dtype)) if per_term else ops.sum(wi)
             return ops.sum(values * wi) / ops.where(total > 0, total, ops.ones_like(total))
 
         if sw is None:
@@ -445,14 +475,12 @@ def check_data(x, y=None, labels_needed=True, sample_weight=None):
     needed, x, y and `sample_weight` of different lengths, and non-finite
     inputs (which would give NaN curvature or a Fisher that looks zero).
     """
-    if isinstance(sample_weight, dict) or (
-            isinstance(sample_weight, (list, tuple)) and any(hasattr(w, "shape") for w in sample_weight)):
-        raise ValueError(
-            "sample_weight per output (a list or dict of arrays) is not taken by keras_geosam curvature "
-            "routines: pass one (N,) weight per example, which weighs every output's loss terms of that "
-            "example (as Keras does with one array). fit() itself takes per-output weights."
-        )
-    for name, a in (("x", x), ("y", y), ("sample_weight", sample_weight)):
+    weight_arrays = [sample_weight]
+    if token_weights.per_output(sample_weight):
+        # One per output (checked against the outputs by weights.resolve).
+        entries = sample_weight.values() if isinstance(sample_weight, dict) else sample_weight
+        weight_arrays = [w for w in entries if w is not None]
+    for name, a in [("x", x), ("y", y)] + [("sample_weight", w) for w in weight_arrays]:
         if a is None:
             continue
         # x and y may be structures (several inputs; one label per output).
@@ -476,8 +504,9 @@ def check_data(x, y=None, labels_needed=True, sample_weight=None):
     for item in [] if y is None else input_arrays(y):
         if int(ops.shape(item)[0]) != n:
             raise ValueError(f"x and y differ in length: {n} inputs, {int(ops.shape(item)[0])} labels.")
-    if sample_weight is not None and len(sample_weight) != n:
-        raise ValueError(f"x and sample_weight differ in length: {n} inputs, {len(sample_weight)} weights.")
+    for w in weight_arrays:
+        if w is not None and len(w) != n:
+            raise ValueError(f"x and sample_weight differ in length: {n} inputs, {len(w)} weights.")
     for item in input_arrays(x):
         if keras.backend.is_float_dtype(keras.backend.standardize_dtype(item.dtype)):
             finite = np.all(np.isfinite(item)) if isinstance(item, np.ndarray) else bool(ops.convert_to_numpy(ops.all(ops.isfinite(item))))

@@ -91,9 +91,10 @@ class JointSpec:
     :class:`LossSpec`). Curvature routines see one output: each example's
     outputs flattened and laid side by side (``flatten_outputs``), with a
     :class:`~keras_geosam.curvature.likelihoods.Joint` likelihood; labels
-    stay a list or dict like the outputs. Outputs with a Keras mask, and
-    sample weights per output, are refused (one ``(N,)`` sample weight
-    weighs every output's terms of an example, as in Keras).
+    stay a list or dict like the outputs. Outputs with a Keras mask are
+    refused. One ``(N,)`` sample weight weighs every output's terms of an
+    example, as in Keras; sample weights per output (a list or dict) make
+    each ``L_i`` its own weighted mean (``weights.py``).
 
     Attributes:
         parts: ``[(key, LossSpec, weight)]`` in the flattened order of the
@@ -182,6 +183,46 @@ class JointSpec:
             term = ops.sum(values, axis=1) * (weight / int(values.shape[1]))
             total = term if total is None else total + term
         return total
+
+    # Per-output sample weights: one weight per loss term -------------
+    def term_counts(self):
+        """Loss terms per example of each part (its positions, 1 for an
+        output without positions), in the order of ``parts``."""
+        return [positions for _, positions, _, _, _ in self.segments()]
+
+    def per_term(self, y, flat):
+        """``(N, T)``, T the terms of all parts side by side: each loss term
+        times its part's ``w_i / T_i``, so a row sums to ``per_example``."""
+        columns = []
+        for (_, spec, weight), yi, pred in zip(self.parts, self.labels(y), self.split(flat)):
+            values = spec.per_example(yi, pred)
+            values = ops.reshape(values, (ops.shape(values)[0], -1))
+            columns.append(values * (weight / int(values.shape[1])))
+        return ops.concatenate(columns, axis=1)
+
+    def coordinates(self, term_values):
+        """``(N, D)`` from ``(N, T)``: each term's value over its output
+        coordinates (the classes at its position)."""
+        out, start = [], 0
+        n = ops.shape(term_values)[0]
+        for _, positions, classes, _, _ in self.segments():
+            part = term_values[:, start:start + positions]
+            out.append(ops.reshape(ops.broadcast_to(part[:, :, None], (n, positions, classes)), (n, positions * classes)))
+            start += positions
+        return ops.concatenate(out, axis=1)
+
+    def example_share(self, term_weights):
+        """``(N,)``: an example's share of the data, the mean over outputs of
+        its terms' mean weight (weights normalised per output as
+        ``weights.resolve`` gives them: every output's shares sum to one, and
+        so do these)."""
+        total, start = None, 0
+        counts = self.term_counts()
+        for positions in counts:
+            part = ops.sum(term_weights[:, start:start + positions], axis=1) / float(positions)
+            total = part if total is None else total + part
+            start += positions
+        return total / float(len(counts))
 
     def logits(self, flat):
         parts = [spec.logits(p) for (_, spec, _), p in zip(self.parts, self.split(flat))]

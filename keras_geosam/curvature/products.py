@@ -53,8 +53,8 @@ def loss_and_gradient(model, x, y, params=None, loss=None, batch_size=None, trai
             Defaults to `True`.
         sample_weight: ``(N,)`` or per-token ``(N,) + positions`` weights
             (with the model's own output mask they make the loss a weighted
-            mean over tokens; ``keras_geosam.curvature.weights``). Defaults
-            to `None`.
+            mean over tokens; ``keras_geosam.curvature.weights``), or, for several outputs, one per output (a list in output order or a dict by name; each output's loss is then its own weighted mean).
+            Defaults to `None`.
 
     Returns:
         A tuple ``(loss, grads)``: a scalar tensor and a list of tensors
@@ -472,8 +472,7 @@ def _dtype(fns):
 
 def _normalised_weights(fns, x, y, sample_weight, batch_size):
     """Per-token weights summing to one (None: every token counts once)."""
-    weights = token_weights.resolve(fns, x, y, sample_weight, batch_size)
-    return None if weights is None else weights / weights.sum()
+    return token_weights.normalise(fns, token_weights.resolve(fns, x, y, sample_weight, batch_size))
 
 
 def _tile(x, k):

@@ -26,6 +26,22 @@ gradients): example n's loss is ``L_n = sum_t w_nt l_nt / sum_t w_nt``, and
 float NumPy array shaped like the per-token losses (``(N,)`` or ``(N,) +
 positions``), or None when every token counts once (the unweighted
 computation, unchanged).
+
+Several outputs (``losses.JointSpec``) may take a weight per output, as
+``fit`` does: a list in output order or a dict by output name, each entry
+``(N,)`` or ``(N,) + positions`` of its output (None or a missing name: that
+output unweighted). Each output's loss is then its own weighted mean, and
+the total Keras' weighted sum of them::
+
+    L = sum_i lambda_i sum_{n,t} w_nti l_nti / sum_{n,t} w_nti
+
+``resolve`` returns them as one ``(N, T)`` array over the T loss terms of
+all outputs side by side, each output's columns normalised to sum to its
+term count ``T_i`` (``sw_nti = T_i w_nti / sum w_i``, already final: the
+scale of one output's weights says nothing). An example's share of the
+data is then the mean over outputs of its terms' mean weight
+(``JointSpec.example_share``; the shares sum to one, and equal the single
+weight's share when every output has the same weights).
 """
 
 import numpy as np
@@ -37,6 +53,7 @@ from keras_geosam.curvature.data import DEFAULT_BATCH_SIZE
 from keras_geosam.curvature.data import batches
 from keras_geosam.curvature.data import input_arrays
 from keras_geosam.curvature.data import rows_of
+from keras_geosam.curvature.losses import JointSpec
 
 
 def first_example(fns, x):
@@ -131,6 +148,8 @@ def resolve(fns, x, y, sample_weight, batch_size):
     out = output_shape(fns, x)
     n, pos = out[0], positions(out)
     weights = None
+    if per_output(sample_weight):
+        return _per_output(fns, sample_weight, n)
     if sample_weight is not None:
         weights = _check_sample_weight(sample_weight, n, pos)
     if emits_mask(fns, x):
@@ -144,7 +163,57 @@ def resolve(fns, x, y, sample_weight, batch_size):
     return weights
 
 
-def _check_sample_weight(sample_weight, n, pos):
+def per_output(sample_weight):
+    """Whether `sample_weight` holds a weight per output (a dict, or a list
+    or tuple of arrays) rather than one weight per example."""
+    return isinstance(sample_weight, dict) or (
+        isinstance(sample_weight, (list, tuple)) and any(w is None or hasattr(w, "shape") for w in sample_weight))
+
+
+def is_per_term(fns, weights):
+    """Whether resolved `weights` (or a batch of them) are per output's loss
+    terms: ``(N, T)`` for a model whose outputs are laid side by side."""
+    return weights is not None and isinstance(fns.spec, JointSpec) and len(weights.shape) == 2
+
+
+def normalise(fns, weights):
+    """Resolved `weights` as each batch's kernels take them: summing to one
+    (per-term weights are final already)."""
+    if weights is None or is_per_term(fns, weights):
+        return weights
+    return weights / weights.sum()
+
+
+def _per_output(fns, sample_weight, n):
+    spec = fns.spec
+    keys = [k for k, _, _ in getattr(spec, "parts", [])]
+    if not keys:
+        raise ValueError(
+            "sample_weight per output (a list or dict of arrays) needs a model with several outputs, each "
+            "compiled with its own loss; this model has one output: pass one (N,) weight per example.")
+    if isinstance(sample_weight, dict):
+        unknown = sorted(set(sample_weight) - set(keys), key=str)
+        if unknown:
+            raise ValueError(f"sample_weight names the output(s) {unknown}; the model's are {keys}.")
+        given = [sample_weight.get(k) for k in keys]
+    else:
+        if len(sample_weight) != len(keys):
+            raise ValueError(f"sample_weight holds {len(sample_weight)} arrays for a model with {len(keys)} outputs "
+                             f"({keys}): give one per output (None for an unweighted one), or a dict by name.")
+        given = list(sample_weight)
+    columns = []
+    for key, w, shape in zip(keys, given, spec.output_shapes):
+        pos = tuple(shape[:-1])
+        w = np.ones((n,) + pos) if w is None else _check_sample_weight(w, n, pos, f" of output {key!r}")
+        w = w.reshape(n, -1)
+        if not w.sum() > 0:
+            raise ValueError(f"Every loss term of output {key!r} has weight zero in sample_weight: its loss, a "
+                             "weighted mean, is undefined. Drop the output's loss or give it some weight.")
+        columns.append(w * (w.shape[1] / w.sum()))
+    return np.concatenate(columns, axis=1)
+
+
+def _check_sample_weight(sample_weight, n, pos, where=""):
     if not hasattr(sample_weight, "shape"):
         sample_weight = np.asarray(sample_weight)
     w = np.asarray(ops.convert_to_numpy(sample_weight), dtype="float64")
@@ -154,11 +223,11 @@ def _check_sample_weight(sample_weight, n, pos):
     elif shape != (n,) + pos:
         allowed = f"({n},)" + (f" or {(n,) + pos}" if pos else "")
         raise ValueError(
-            f"sample_weight of shape {shape} does not fit the data: one weight per example {allowed}"
+            f"sample_weight{where} of shape {shape} does not fit the data: one weight per example {allowed}"
             + (" (one per token)" if pos else "") + "."
         )
     if not np.all(np.isfinite(w)) or np.any(w < 0):
-        raise ValueError("sample_weight must be finite and >= 0.")
+        raise ValueError(f"sample_weight{where} must be finite and >= 0.")
     return np.array(w, dtype="float64")
 
 

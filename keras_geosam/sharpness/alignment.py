@@ -76,7 +76,26 @@ class Alignment:
 
 
 def _take(x, idx):
-    return keras.tree.map_structure(lambda a: a[idx], x)
+    """Rows `idx` of every array in `x` (a structure: several inputs,
+    labels or weights per output; None entries stay None)."""
+    if x is None:
+        return None
+    if isinstance(x, dict):
+        return {k: _take(v, idx) for k, v in x.items()}
+    if isinstance(x, (list, tuple)) and not hasattr(x, "shape"):
+        return type(x)(_take(v, idx) for v in x)
+    return x[idx]
+
+
+def _host(x):
+    """`x` (a structure of arrays or tensors, or None) as NumPy arrays."""
+    if x is None:
+        return None
+    if isinstance(x, dict):
+        return {k: _host(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)) and any(v is None or hasattr(v, "shape") for v in x):
+        return type(x)(_host(v) for v in x)
+    return np.asarray(ops.convert_to_numpy(x))
 
 
 def _cos(a, b):
@@ -142,7 +161,7 @@ def gradient_noise_alignment(
     """
     _common.check_inputs(model, x, y, loss, sample_weight)
     n = num_examples(x)
-    sw = None if sample_weight is None else np.asarray(ops.convert_to_numpy(sample_weight))
+    sw = _host(sample_weight)
     batch_size = check_int("batch_size", batch_size)
     num_batches = check_int("num_batches", num_batches)
     if batch_size >= n:
@@ -152,12 +171,12 @@ def gradient_noise_alignment(
     _, g_full = loss_and_gradient(model, x, y, loss=loss, batch_size=eval_batch_size, sample_weight=sample_weight)
     g_full = flat(g_full)
     xn = keras.tree.map_structure(lambda a: np.asarray(ops.convert_to_numpy(a)), x)
-    yn = np.asarray(ops.convert_to_numpy(y))
+    yn = _host(y)
     var = np.zeros_like(g_full)
     bar = progbar(num_batches, verbose, "batch")
     for _ in range(num_batches):
         idx = np.sort(rng.choice(n, batch_size, replace=False))
-        _, gb = loss_and_gradient(model, _take(xn, idx), yn[idx], loss=loss, sample_weight=None if sw is None else sw[idx])
+        _, gb = loss_and_gradient(model, _take(xn, idx), _take(yn, idx), loss=loss, sample_weight=_take(sw, idx))
         var += (flat(gb) - g_full) ** 2
         if bar is not None:
             bar.add(1)

@@ -158,8 +158,8 @@ def riemannian_sharpness(
         loss: loss to use instead of the compiled one. Defaults to `None`.
         verbose: 1 shows a progress bar over the probes. Defaults to `0`.
         sample_weight: ``(N,)`` or per-token weights of the loss terms
-            (with the model's own mask; ``keras_geosam.curvature.weights``).
-            Defaults to `None`.
+            (with the model's own mask; ``keras_geosam.curvature.weights``),
+            or, for several outputs, one per output (a list in output order or a dict by name; each output's loss is then its own weighted mean). Defaults to `None`.
         max_exact_classes: above this many output classes (a language
             model's vocabulary), ``kind="exact"`` quantities sample labels
             from the model instead of one backward column per class and

@@ -43,7 +43,7 @@ CROSS_BACKEND = 1e-5  # float32, identical weights, different backends
 # backend, so probe values and exact parts agree like products do.
 CROSS_BACKEND_ESTIMATES = 1e-5
 ESTIMATES = ("trace_probes", "trace_split", "sr_diag", "sr_kfac", "fisher_mc", "lm_trace_split", "lm_sr_diag", "lm_sr_kfac",
-             "lm_fisher_mc")
+             "lm_fisher_mc", "mo_sr_kfac", "mo_fisher_mc")
 
 N, D, K = 7, 4, 3  # examples, input features, classes
 
@@ -643,10 +643,12 @@ def test_float32_results_agree_across_backends(tmp_path):
     for b in ("tensorflow", "torch"):
         np.testing.assert_array_equal(results[b]["weights"], base["weights"])
         np.testing.assert_array_equal(results[b]["lm_weights"], base["lm_weights"])
+        np.testing.assert_array_equal(results[b]["mo_weights"], base["mo_weights"])
         for key in ("loss", "grad", "hvp", "ggnvp", "per_example", "sampled", "labels",
                     "trace_probes", "trace_split", "sr_diag", "sr_kfac", "fisher_mc",
                     "lm_loss", "lm_grad", "lm_hvp", "lm_ggnvp", "lm_per_example",
-                    "lm_trace_split", "lm_sr_diag", "lm_sr_kfac", "lm_fisher_mc"):
+                    "lm_trace_split", "lm_sr_diag", "lm_sr_kfac", "lm_fisher_mc",
+                    "mo_loss", "mo_grad", "mo_ggnvp", "mo_per_example", "mo_sr_kfac", "mo_fisher_mc"):
             if key not in results[b] or key not in base:
                 continue  # failed to compute: listed in `problems`
             if key == "labels":

@@ -149,10 +149,17 @@ def test_multi_output_labels_and_losses_are_checked():
     with pytest.raises(ValueError, match="2 arrays or a dict"):
         kg.curvature.Hessian(model, x, y["cls"])
     labels, w = [y["cls"], y["aux"]], np.linspace(0.5, 1.5, N)
-    for per_output in ([w, w], {"cls": w, "aux": w}):
-        with pytest.raises(ValueError, match=r"sample_weight per output .* one \(N,\) weight per example"):
-            kg.sharpness.hessian_trace(model, x, labels, sample_weight=per_output, num_probes=2, rtol=None)
     kg.sharpness.hessian_trace(model, x, labels, sample_weight=w, num_probes=2, rtol=None)  # one per example
+    bad = {"3 arrays for a model with 2 outputs": [w, w, w], r"names the output\(s\) \['head'\]": {"head": w},
+           r"output 'aux' has weight zero": [w, 0 * w], r"sample_weight of output 'cls' of shape \(10, 2\)": [np.ones((N, 2)), w],
+           r"sample_weight of output 'aux' must be finite": {"aux": -w}, "differ in length": [w, w[:-1]]}
+    for message, per_output in bad.items():
+        with pytest.raises(ValueError, match=message):
+            kg.sharpness.hessian_trace(model, x, labels, sample_weight=per_output, num_probes=2, rtol=None)
+    single = keras.Model(model.inputs, model.outputs[0])
+    single.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match="this model has one output: pass one"):
+        kg.curvature.GGN(single, x, sample_weight=[w])
     model.compile(loss=[keras.losses.SparseCategoricalCrossentropy(from_logits=True), "mae"])
     with pytest.raises(ValueError, match=r"mean_absolute_error \(aux\)"):
         kg.sharpness.riemannian_sharpness(model, x, [y["cls"], y["aux"]])
@@ -216,3 +223,129 @@ def test_loss_weights_of_a_single_output_scale_its_curvature(loss, form):
         assert ref.rel_err(a, 2.5 * b) < TOL
     model.compile(loss=fn, loss_weights=1.0)  # teeth: back to the plain numbers
     assert ref.rel_err(measures()[2], plain[2]) < TOL
+
+
+# ------------------------------------------- sample weights per output ----
+def _per_output_weights():
+    rng = np.random.default_rng(5)
+    return {"cls": rng.uniform(0.2, 2.0, N), "aux": rng.uniform(0.2, 2.0, N)}
+
+
+def _shares(w):
+    """Each output's normalised weights, and each example's share: their
+    mean over the outputs (``curvature/weights.py``)."""
+    sw = {k: v / v.sum() for k, v in w.items()}
+    return sw, (sw["cls"] + sw["aux"]) / 2
+
+
+def _flat_rows(grads):
+    return np.concatenate([ref.to_numpy(g).reshape(N, -1) for g in grads], axis=1)
+
+
+@pytest.mark.parametrize("aux,as_dict", [("bce", True), ("mse", False)])
+def test_per_output_sample_weights_give_the_weighted_sums_of_each_output_s(aux, as_dict):
+    """``sample_weight`` per output (a dict, or a list in output order)
+    makes each output's loss its own weighted mean: the loss, Hessian, GGN
+    and residual equal the loss-weighted sums of the single-output views'
+    with their own weights; the empirical Fisher and the per-example
+    gradients follow the hand-written rule from the views' unweighted
+    per-example gradients; the same weights for both outputs give the one
+    (N,) weight's numbers; swapped weights give others (teeth)."""
+    model, views, x, y = _build(aux, as_dict)
+    xs = {"a": x[0], "b": x[1]} if as_dict else x
+    labels = _labels(y, as_dict)
+    w = _per_output_weights()
+    given = dict(w) if as_dict else [w["cls"], w["aux"]]
+    value, _ = kg.curvature.loss_and_gradient(model, xs, labels, sample_weight=given)
+    expected = sum(WEIGHTS[k] * float(ref.to_numpy(kg.curvature.loss_and_gradient(v, x, y[k], sample_weight=w[k])[0]))
+                   for k, v in views.items())
+    assert float(ref.to_numpy(value)) == pytest.approx(expected, rel=1e-9)
+
+    def summed(op):
+        return sum(WEIGHTS[k] * _embed(model, v, op(v, k).to_dense()) for k, v in views.items())
+
+    H = kg.curvature.Hessian(model, xs, labels, sample_weight=given).to_dense()
+    G = kg.curvature.GGN(model, xs, sample_weight=given).to_dense()
+    assert ref.rel_err(H, summed(lambda v, k: kg.curvature.Hessian(v, x, y[k], sample_weight=w[k]))) < TOL
+    assert ref.rel_err(G, summed(lambda v, k: kg.curvature.GGN(v, x, sample_weight=w[k]))) < TOL
+    R = kg.curvature.GGNResidual(model, xs, labels, sample_weight=given).to_dense()
+    assert np.linalg.norm(R - (H - G)) < TOL * np.linalg.norm(H)
+    # Empirical Fisher: sum_n g_n g_n^T / W_n with g_n = sum_k lambda_k
+    # sw_nk grad l_nk, W_n the example's share; per-example gradients g_n / W_n.
+    sw, share = _shares(w)
+    per = {k: _flat_rows(kg.curvature.per_example_gradients(v, x, y[k])) for k, v in views.items()}
+    g = sum(WEIGHTS[k] * sw[k][:, None] * _spread(model, views[k], per[k]) for k in views)
+    F = kg.curvature.GGN(model, xs, labels, kind="empirical", sample_weight=given).to_dense()
+    assert ref.rel_err(F, np.einsum("np,nq,n->pq", g, g, 1 / share)) < TOL
+    mine = _flat_rows(kg.curvature.per_example_gradients(model, xs, labels, sample_weight=given))
+    assert ref.rel_err(mine, g / share[:, None]) < TOL
+    # One weight for both outputs is the (N,) weight; swapped weights differ.
+    same = [w["cls"], w["cls"]]
+    assert ref.rel_err(kg.curvature.GGN(model, xs, sample_weight=same).to_dense(),
+                       kg.curvature.GGN(model, xs, sample_weight=w["cls"]).to_dense()) < 1e-12
+    swapped = {"cls": w["aux"], "aux": w["cls"]} if as_dict else [w["aux"], w["cls"]]
+    swapped = kg.curvature.GGN(model, xs, sample_weight=swapped).to_dense()
+    assert ref.rel_err(swapped, G) > 1e-2
+
+
+def _spread(model, view, rows):
+    """A view's per-example rows ``(N, P_v)`` in the full model's columns."""
+    full = list(model.trainable_variables)
+    sizes = [int(np.prod(v.shape)) for v in full]
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    at = {id(v): i for i, v in enumerate(full)}
+    index = np.concatenate([np.arange(starts[at[id(v)]], starts[at[id(v)] + 1]) for v in view.trainable_variables])
+    out = np.zeros((rows.shape[0], starts[-1]))
+    out[:, index] = rows
+    return out
+
+
+def test_per_output_sample_weights_in_kfac_the_fisher_diagonal_and_the_mc_fisher():
+    """K-FAC with weights per output: each output's side B is the
+    loss-weighted sum of the views' (each with its own weights), the input
+    side A the view's with the examples' shares as weights (the stated
+    rule: a layer's input rows serve every output). The Fisher diagonal is
+    the weighted sum of the views', and the MC Fisher is unbiased."""
+    model, views, x, y = _build("bce")
+    w = _per_output_weights()
+    given = [w["cls"], w["aux"]]
+    _, share = _shares(w)
+    blocks = kg.curvature.GGN(model, x, sample_weight=given).kfac().blocks
+    of_view = {k: kg.curvature.GGN(v, x, sample_weight=w[k]).kfac().blocks for k, v in views.items()}
+    of_share = {k: kg.curvature.GGN(v, x, sample_weight=share).kfac().blocks for k, v in views.items()}
+    # variables: shared kernel, bias; cls kernel, bias; aux kernel, bias
+    shared_B = sum(WEIGHTS[k] * ref.to_numpy(of_view[k][0].B) for k in views)
+    assert ref.rel_err(ref.to_numpy(blocks[0].A), ref.to_numpy(of_share["cls"][0].A)) < TOL
+    assert ref.rel_err(ref.to_numpy(blocks[0].B), shared_B) < TOL
+    for j, k in ((2, "cls"), (4, "aux")):
+        assert ref.rel_err(ref.to_numpy(blocks[j].A), ref.to_numpy(of_share[k][2].A)) < TOL
+        assert ref.rel_err(ref.to_numpy(blocks[j].B), WEIGHTS[k] * ref.to_numpy(of_view[k][2].B)) < TOL
+    diag = ref.flatten(kg.sharpness.fisher_diagonal(model, x, sample_weight=given))
+    diag_sum = sum(WEIGHTS[k] * np.diag(_embed(model, v, np.diag(ref.flatten(kg.sharpness.fisher_diagonal(
+        v, x, sample_weight=w[k]))))) for k, v in views.items())
+    assert ref.rel_err(diag, diag_sum) < TOL
+    many = ref.flatten(kg.curvature.GGN(model, x, kind="mc", num_samples=4000, seed=2, sample_weight=given).diagonal())
+    assert ref.rel_err(many, np.diag(kg.curvature.GGN(model, x, sample_weight=given).to_dense())) < 0.05
+
+
+def test_per_output_sample_weights_train_and_log():
+    """``fit`` with weights per output through LLQR+SAM (K-FAC), a
+    SharpnessLogger whose probe data carry weights per output, and the
+    gradient-noise alignment (minibatches of every output's labels and
+    weights): the loss falls and every value is finite."""
+    model, _, x, y = _build("mse")
+    model = kg.attach(model)
+    model.compile(optimizer=kg.optimizers.LLQRSAM(keras.optimizers.SGD(0.05), structure="kfac", refresh_every=2,
+                                                  refresh_steps=3, rho=0.05),
+                  loss=model.loss, loss_weights=[WEIGHTS["cls"], WEIGHTS["aux"]])
+    w = _per_output_weights()
+    labels, given = [y["cls"], y["aux"]], [w["cls"], w["aux"]]
+    logger = kg.callbacks.SharpnessLogger(x, labels, sample_weight=given, every_n_epochs=1, num_probes=4, rtol=None,
+                                          metrics=("hessian_trace", "riemannian_sharpness_kfac"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        history = model.fit(x, labels, sample_weight=given, batch_size=5, epochs=3, verbose=0, callbacks=[logger]).history
+    assert history["loss"][-1] < history["loss"][0]
+    assert np.all(np.isfinite(history["riemannian_sharpness_kfac"])) and np.all(np.isfinite(history["hessian_trace"]))
+    alignment = kg.sharpness.gradient_noise_alignment(model, x, labels, sample_weight=given, batch_size=4, num_batches=3)
+    assert 0 < alignment.cosine <= 1 and np.all(np.isfinite(alignment.noise_variance))

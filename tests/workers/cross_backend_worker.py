@@ -4,7 +4,9 @@
 small float32 conv/BN classifier, sets every weight from a fixed NumPy seed,
 and saves the loss, gradient, HVP, GGN-vector product and per-example
 gradients on fixed NumPy data, and sharpness estimates (probe values,
-exact parts, Monte-Carlo Fisher) for a fixed seed. ``compute()`` is also called in-process by the
+exact parts, Monte-Carlo Fisher) for a fixed seed; the same on a tiny
+Transformer with per-token weights and on a two-output model with
+weights per output. ``compute()`` is also called in-process by the
 test on the JAX backend.
 """
 
@@ -77,6 +79,7 @@ def compute():
     }
     collect(out, errors, steps, flat, rows)
     transformer(out, errors, flat, rows, estimate)
+    multi_output(out, errors, flat, rows, estimate)
     out["errors"] = np.array(errors, dtype=str)
     return out
 
@@ -121,6 +124,39 @@ def transformer(out, errors, flat, rows, estimate):
         "lm_fisher_mc": lambda: flat(ks.fisher_diagonal(model, x, kind="mc", num_samples=2, seed=5, **kw)),
     }
     collect(out, errors, steps, flat, rows, prefix="lm_")
+
+
+def multi_output(out, errors, flat, rows, estimate):
+    """A two-input, two-output model (3 classes with sparse cross-entropy,
+    3 labels with binary cross-entropy, ``loss_weights``) with sample
+    weights per output: keys ``mo_*``, in float32."""
+    import keras
+
+    from keras_geosam import curvature as kc
+    from keras_geosam import sharpness as ks
+
+    rng = np.random.default_rng(7)
+    a, b = keras.Input((4,), name="a"), keras.Input((2,), name="b")
+    h = keras.layers.Dense(5, activation="tanh")(keras.layers.Concatenate()([a, b]))
+    model = keras.Model([a, b], [keras.layers.Dense(3, name="cls")(h), keras.layers.Dense(3, name="aux")(h)])
+    model.compile(loss=[keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                        keras.losses.BinaryCrossentropy(from_logits=True)], loss_weights=[1.0, 0.3])
+    for v in model.weights:
+        v.assign((0.5 * rng.normal(size=v.shape)).astype("float32"))
+    x = [rng.normal(size=(8, 4)).astype("float32"), rng.normal(size=(8, 2)).astype("float32")]
+    y = [rng.integers(0, 3, size=8).astype("int32"), (rng.uniform(size=(8, 3)) < 0.5).astype("float32")]
+    kw = dict(sample_weight={"cls": rng.uniform(0.2, 2.0, 8), "aux": rng.uniform(0.2, 2.0, 8)})
+    vec = [rng.normal(size=v.shape).astype("float32") for v in model.trainable_variables]
+    out["mo_weights"] = flat(model.weights)
+    steps = {
+        "mo_loss_grad": lambda: kc.loss_and_gradient(model, x, y, **kw),
+        "mo_ggnvp": lambda: flat(kc.ggnvp(model, x, y, vec, **kw)),
+        "mo_per_example": lambda: rows(kc.per_example_gradients(model, x, y, **kw)),
+        "mo_sr_kfac": lambda: estimate(ks.riemannian_sharpness(model, x, y, structure="kfac", damping=0.1, num_probes=4,
+                                                               rtol=None, seed=3, **kw)),
+        "mo_fisher_mc": lambda: flat(ks.fisher_diagonal(model, x, kind="mc", num_samples=2, seed=5, **kw)),
+    }
+    collect(out, errors, steps, flat, rows, prefix="mo_")
 
 
 def collect(out, errors, steps, flat, rows, prefix=""):

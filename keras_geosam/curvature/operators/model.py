@@ -67,7 +67,7 @@ class ModelOperator(LinearOperator):
         training: layers in training mode (default False).
         sample_weight: ``(N,)`` or per-token ``(N,) + positions`` weights;
             with the model's own mask they make the loss a weighted mean
-            over tokens (``keras_geosam.curvature.weights``).
+            over tokens (``keras_geosam.curvature.weights``); or, for several outputs, one per output (a list in output order or a dict by name; each output's loss is then its own weighted mean).
     """
 
     needs_labels = True
@@ -82,7 +82,7 @@ class ModelOperator(LinearOperator):
         weights = token_weights.resolve(self.fns, self.x, self.y, sample_weight, self.batch_size)
         # Normalised to sum to one: a batch's kernels then return its share
         # of the whole weighted mean, and nothing is divided afterwards.
-        self.weights = None if weights is None else weights / weights.sum()
+        self.weights = token_weights.normalise(self.fns, weights)
         self.total_weight = None if weights is None else float(weights.sum())
 
     @property
