@@ -204,3 +204,35 @@ def test_add_scaled_is_y_plus_alpha_x():
             got = backend.add_scaled(ops.convert_to_tensor(y.astype(dtype)), ops.convert_to_tensor(x.astype(dtype)), alpha)
             assert ops.convert_to_numpy(got).dtype == np.dtype(dtype)
             np.testing.assert_allclose(ops.convert_to_numpy(got), y - 0.3 * x, rtol=tol, atol=tol)
+
+
+def test_a_block_kernel_traces_once_per_signature(caplog):
+    """``backend.block_kernel``: where it compiles (JAX, TensorFlow) the body
+    runs once per argument signature (shapes, dtypes, static values), never
+    again for a signature seen before, and TensorFlow logs no retracing;
+    everywhere the value is the body's."""
+    import keras
+
+    traces = []
+
+    def body(a, b, *, power):
+        traces.append((tuple(a.shape), power))
+        return ops.matmul(a, b) * power
+
+    kernel = backend.block_kernel(body, static_argnames=("power",))
+    rng = np.random.default_rng(0)
+    calls = [(3, 2.0), (3, 2.0), (4, 2.0), (3, 0.5), (4, 2.0), (3, 2.0)]
+    for n, power in calls:
+        a, b = rng.normal(size=(n, n)).astype("float32"), rng.normal(size=(n, n)).astype("float32")
+        out = ops.convert_to_numpy(kernel(ops.convert_to_tensor(a), ops.convert_to_tensor(b), power=power))
+        np.testing.assert_allclose(out, a @ b * power, rtol=1e-5)
+    if keras.backend.backend() == "torch":
+        assert len(traces) == len(calls)  # eager: the body runs every call
+    else:
+        assert traces == [((3, 3), 2.0), ((4, 4), 2.0), ((3, 3), 0.5)]
+    # Many shapes in a row (a network's blocks): TensorFlow warns when one
+    # function retraces 5 times; here none does.
+    with caplog.at_level("WARNING"):
+        for n in range(5, 13):
+            kernel(ops.ones((n, n)), ops.ones((n, n)), power=1.0)
+    assert not [r for r in caplog.records if "retracing" in r.getMessage()]
