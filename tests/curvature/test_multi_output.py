@@ -59,14 +59,20 @@ def _build(aux="mse", as_dict=False):
     return model, views, x, y
 
 
-def _embed(model, view, M):
-    """A view's (P_v x P_v) matrix in the full model's parameter space."""
+def _columns(model, view):
+    """Where a view's parameters sit in the full model's: ``(index, P)``."""
     full = list(model.trainable_variables)
     sizes = [int(np.prod(v.shape)) for v in full]
     starts = np.concatenate([[0], np.cumsum(sizes)])
     at = {id(v): i for i, v in enumerate(full)}
     index = np.concatenate([np.arange(starts[at[id(v)]], starts[at[id(v)] + 1]) for v in view.trainable_variables])
-    out = np.zeros((starts[-1], starts[-1]))
+    return index, int(starts[-1])
+
+
+def _embed(model, view, M):
+    """A view's (P_v x P_v) matrix in the full model's parameter space."""
+    index, size = _columns(model, view)
+    out = np.zeros((size, size))
     out[np.ix_(index, index)] = M
     return out
 
@@ -290,12 +296,8 @@ def test_per_output_sample_weights_give_the_weighted_sums_of_each_output_s(aux, 
 
 def _spread(model, view, rows):
     """A view's per-example rows ``(N, P_v)`` in the full model's columns."""
-    full = list(model.trainable_variables)
-    sizes = [int(np.prod(v.shape)) for v in full]
-    starts = np.concatenate([[0], np.cumsum(sizes)])
-    at = {id(v): i for i, v in enumerate(full)}
-    index = np.concatenate([np.arange(starts[at[id(v)]], starts[at[id(v)] + 1]) for v in view.trainable_variables])
-    out = np.zeros((rows.shape[0], starts[-1]))
+    index, size = _columns(model, view)
+    out = np.zeros((rows.shape[0], size))
     out[:, index] = rows
     return out
 
