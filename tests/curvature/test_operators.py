@@ -836,6 +836,37 @@ def test_block_diagonal_operator_and_per_block_damping():
         cv.BlockDiagonal([])
 
 
+def test_blocks_far_below_the_largest_invert_to_zero_and_the_rest_as_alone():
+    """Relative damping: a block whose largest eigenvalue is at most
+    ``BLOCK_RCOND`` times the largest block's (rounding noise) inverts to
+    zero, whatever its kind (diagonal, K-FAC, EK-FAC); every other block's
+    inverse is its own, as alone. The blocks' top eigenvalues are read in
+    one go, the diagonal ones in one call."""
+    tol = tol_for(*STRUCT_OPS)
+    rng = np.random.default_rng(11)
+    A, B = _sym_psd(rng, 3), _sym_psd(rng, 2)
+    QA, QG, s = _orthogonal(rng, 2), _orthogonal(rng, 2), rng.uniform(0.2, 2.0, size=(2, 2))
+
+    def blocks(scale):
+        return [cv.Diagonal(tensors([scale * rng.uniform(0.5, 2.0, size=(2, 3))])),
+                cv.KFAC(*tensors([A, scale * B]), (3, 2)),
+                cv.EKFAC(*tensors([QA, QG, scale * s]), (2, 2), orthogonal=True)]
+
+    big, tiny = blocks(1.0), blocks(1e-13)
+    mixed = [big[0], tiny[0], big[1], tiny[1], big[2], tiny[2]]
+    op = cv.BlockDiagonal(mixed)
+    tops = [float(np.max(np.linalg.eigvalsh(b.to_dense()))) for b in mixed]
+    np.testing.assert_allclose(ref.to_numpy(op._top_eigenvalues()), tops, rtol=1e-12)
+    for method in ("inverse", "inverse_sqrt"):
+        out = getattr(op, method)(0.01, relative=True).blocks
+        for b, o, kept in zip(mixed, out, (True, False) * 3):
+            alone = getattr(b, method)(0.01, relative=True).to_dense()
+            if kept:
+                assert rel(o.to_dense(), alone) < tol, method
+            else:
+                assert not np.any(o.to_dense()) and np.any(alone), method  # teeth: alone it is not zero
+
+
 # ------------------------------------------------------ 5. composition ----
 def test_composition_and_checks():
     tol = tol_for(*STRUCT_OPS)
