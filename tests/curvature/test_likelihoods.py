@@ -12,6 +12,7 @@ for float64 inputs: errors of ~1e-7 relative), 1e-5 behind damped inverses.
 """
 
 import warnings
+import zlib
 
 import jax.numpy as jnp
 import keras
@@ -35,7 +36,10 @@ def _module_float64():
 
 class Case:
     def __init__(self, name, hidden="sigmoid"):
-        rng = np.random.default_rng(abs(hash((name, hidden))) % 2**32)
+        # A stable seed: hash() of strings differs per process (PYTHONHASHSEED);
+        # one suite run drew weights whose MC Fisher over 4000 draws sat 6.7%
+        # from the exact one, above the unbiasedness test's 5%.
+        rng = np.random.default_rng(zlib.crc32(f"{name}/{hidden}".encode()))
         d = 3 if name in ("mse", "multilabel_logits") else 1
         self.name, self.d = name, d
         out_act = "sigmoid" if name == "bce_probs" else None
