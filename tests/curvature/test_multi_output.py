@@ -351,3 +351,42 @@ def test_per_output_sample_weights_train_and_log():
     assert np.all(np.isfinite(history["riemannian_sharpness_kfac"])) and np.all(np.isfinite(history["hessian_trace"]))
     alignment = kg.sharpness.gradient_noise_alignment(model, x, labels, sample_weight=given, batch_size=4, num_batches=3)
     assert 0 < alignment.cosine <= 1 and np.all(np.isfinite(alignment.noise_variance))
+
+
+def test_per_token_weights_of_a_sequence_output_among_several():
+    """One output per token (a sequence head, ``(N, T, C)``) beside a pooled
+    one: its per-output weight may be per token ``(N, T)``. The loss, GGN and
+    Hessian equal the weighted sums of the views', the sequence view with
+    the same per-token weights (the single-output per-token path), the
+    pooled view with its ``(N,)`` weights."""
+    keras.utils.set_random_seed(4)
+    T = 4
+    seq = keras.Input((T, 3), name="seq")
+    h = keras.layers.Dense(4, activation="tanh")(seq)
+    tokens = keras.layers.Dense(3, name="tokens")(h)
+    pooled = keras.layers.Dense(2, name="pooled")(keras.layers.GlobalAveragePooling1D()(h))
+    sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model = keras.Model(seq, [tokens, pooled])
+    model.compile(loss=[sce, "mse"], loss_weights=[1.0, 0.3])
+    views = {"tokens": keras.Model(seq, tokens), "pooled": keras.Model(seq, pooled)}
+    views["tokens"].compile(loss=sce)
+    views["pooled"].compile(loss="mse")
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(N, T, 3))
+    y = {"tokens": rng.integers(0, 3, size=(N, T)), "pooled": rng.normal(size=(N, 2))}
+    w = {"tokens": rng.uniform(0.0, 2.0, size=(N, T)), "pooled": rng.uniform(0.2, 2.0, size=N)}
+    lam = {"tokens": 1.0, "pooled": 0.3}
+    labels = [y["tokens"], y["pooled"]]
+    value, _ = kg.curvature.loss_and_gradient(model, x, labels, sample_weight=w)
+    expected = sum(lam[k] * float(ref.to_numpy(kg.curvature.loss_and_gradient(v, x, y[k], sample_weight=w[k])[0]))
+                   for k, v in views.items())
+    assert float(ref.to_numpy(value)) == pytest.approx(expected, rel=1e-9)
+    for op in (lambda m, lab, sw: kg.curvature.GGN(m, x, sample_weight=sw),
+               lambda m, lab, sw: kg.curvature.Hessian(m, x, lab, sample_weight=sw)):
+        full = op(model, labels, w).to_dense()
+        summed = sum(lam[k] * _embed(model, v, op(v, y[k], w[k]).to_dense()) for k, v in views.items())
+        assert ref.rel_err(full, summed) < TOL
+    # teeth: the per-token weights matter (their mean over tokens is another matrix)
+    flat = {"tokens": w["tokens"].mean(axis=1), "pooled": w["pooled"]}
+    assert ref.rel_err(kg.curvature.GGN(model, x, sample_weight=flat).to_dense(),
+                       kg.curvature.GGN(model, x, sample_weight=w).to_dense()) > 1e-3
