@@ -398,8 +398,6 @@ def _one_example_grad(f, params, batch):
     return traced, found
 
 
-# Eager TensorFlow ops compile nothing per shape; a tf.function per block
-# shape would retrace once per shape (and warn about it).
 def block_kernel(fn, static_argnames=()):
     """`fn` traced once per argument signature (shapes, dtypes, Python
     values). Run eagerly, a metric's per-block arithmetic dispatched ~21,800

@@ -116,7 +116,9 @@ class SharpnessLogger(keras.callbacks.Callback):
         verbose: 1 prints one line per metric (value, stderr, seconds).
         sample_weight: ``(N,)`` or per-token weights of the probe data's
             loss terms (a sequence model's padding; the model's own mask is
-            applied too), or, for several outputs, one per output (a list in output order or a dict by name; each output's loss is then its own weighted mean).
+            applied too), or, for several outputs, one per output (a list in
+            output order or a dict by name; each output's loss is then its
+            own weighted mean).
 
     Raises:
         ValueError: if a metric is unknown or none is given,

@@ -224,7 +224,8 @@ class Capture:
             for j, (rule, a) in enumerate((r, a) for r, a in zip(self.rules, rows) if a is not None):
                 # Weights per output's terms: the input side takes each
                 # example's share (weights.py), the output side each term's.
-                rw = _row_weights(None if sw is None else self.fns.example_share(sw, rule.kernel.dtype), a, rule.kernel.dtype)
+                share = None if sw is None else self.fns.example_share(sw, rule.kernel.dtype)
+                rw = _row_weights(share, a, rule.kernel.dtype)
                 if j in gram:
                     R, count = rule.input_rows(a, approximation, rw)
                     out["R"][j] = R

@@ -271,16 +271,14 @@ class ModelFunctions:
                 # c_n = (w_n * r_n) / sqrt(W_n): each output's terms weighted,
                 # W_n the example's share (weights.py); sqrt(w_n) r_n when
                 # every output has the same weights.
-                share = self.example_share(sw, z.dtype)
-                inv = ops.where(share > 0, 1.0 / ops.sqrt(ops.where(share > 0, share, ops.ones_like(share))), ops.zeros_like(share))
+                inv = _inverse_sqrt_or_zero(self.example_share(sw, z.dtype))
                 out = r * self.spec.coordinates(ops.cast(sw, z.dtype)) * inv[:, None]
             else:
                 # c_nt = w_nt r_nt / sqrt(W_n): sum_n c c^T = sum_n W_n g_n g_n^T,
                 # g_n the gradient of sequence n's weighted mean loss.
                 w = ops.cast(sw, z.dtype)
                 per = ops.reshape(w, (n, -1))
-                total = ops.sum(per, axis=1)
-                inv = ops.where(total > 0, 1.0 / ops.sqrt(ops.where(total > 0, total, ops.ones_like(total))), ops.zeros_like(total))
+                inv = _inverse_sqrt_or_zero(ops.sum(per, axis=1))
                 out = r * ops.expand_dims(w * ops.reshape(inv, (n,) + (1,) * (len(shape) - 2)), -1)
             return out[None]  # one column (k = 1)
         # Per output coordinate (weights per output's terms) or per token.
@@ -467,6 +465,12 @@ def model_functions(model, loss=None, training=False, include_regularization=Tru
 
 
 # ------------------------------------------------------------ data ------
+def _inverse_sqrt_or_zero(t):
+    """``1 / sqrt(t)`` where ``t > 0``, else 0 (an example of weight zero)."""
+    positive = ops.greater(t, 0)
+    return ops.where(positive, 1.0 / ops.sqrt(ops.where(positive, t, ops.ones_like(t))), ops.zeros_like(t))
+
+
 def check_data(x, y=None, labels_needed=True, sample_weight=None):
     """Validates curvature data; returns ``(x, y)``.
 

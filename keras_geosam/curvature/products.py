@@ -53,7 +53,9 @@ def loss_and_gradient(model, x, y, params=None, loss=None, batch_size=None, trai
             Defaults to `True`.
         sample_weight: ``(N,)`` or per-token ``(N,) + positions`` weights
             (with the model's own output mask they make the loss a weighted
-            mean over tokens; ``keras_geosam.curvature.weights``), or, for several outputs, one per output (a list in output order or a dict by name; each output's loss is then its own weighted mean).
+            mean over tokens; ``keras_geosam.curvature.weights``), or, for
+            several outputs, one per output (a list in output order or a
+            dict by name; each output's loss is then its own weighted mean).
             Defaults to `None`.
 
     Returns:

@@ -45,7 +45,9 @@ def fisher_diagonal(model, x, y=None, kind="exact", num_samples=1, seed=0, batch
         verbose: unused; kept for a uniform signature. Defaults to `0`.
         sample_weight: ``(N,)`` or per-token weights of the loss terms
             (with the model's own mask): the Fisher is then the weighted
-            mean over tokens; or, for several outputs, one per output (a list in output order or a dict by name; each output's loss is then its own weighted mean). Defaults to `None`.
+            mean over tokens; or, for several outputs, one per output (a
+            list in output order or a dict by name; each output's loss is
+            then its own weighted mean). Defaults to `None`.
 
     Returns:
         A list of float64 NumPy arrays matching ``model.trainable_variables``.

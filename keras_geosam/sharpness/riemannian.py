@@ -159,7 +159,9 @@ def riemannian_sharpness(
         verbose: 1 shows a progress bar over the probes. Defaults to `0`.
         sample_weight: ``(N,)`` or per-token weights of the loss terms
             (with the model's own mask; ``keras_geosam.curvature.weights``),
-            or, for several outputs, one per output (a list in output order or a dict by name; each output's loss is then its own weighted mean). Defaults to `None`.
+            or, for several outputs, one per output (a list in output order
+            or a dict by name; each output's loss is then its own weighted
+            mean). Defaults to `None`.
         max_exact_classes: above this many output classes (a language
             model's vocabulary), ``kind="exact"`` quantities sample labels
             from the model instead of one backward column per class and

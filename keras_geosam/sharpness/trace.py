@@ -204,7 +204,9 @@ def hessian_trace(model, x, y, num_probes=20, rtol=0.05, max_probes=100, split=N
         verbose: 1 shows a progress bar over the probes. Defaults to `0`.
         sample_weight: ``(N,)`` or per-token weights of the loss terms
             (with the model's own mask; ``keras_geosam.curvature.weights``),
-            or, for several outputs, one per output (a list in output order or a dict by name; each output's loss is then its own weighted mean). Defaults to `None`.
+            or, for several outputs, one per output (a list in output order
+            or a dict by name; each output's loss is then its own weighted
+            mean). Defaults to `None`.
         max_exact_classes: above this many output classes the GGN part is
             estimated from `exact_samples` sampled labels per token instead
             of one backward column per class (``GGN.trace_estimate``).

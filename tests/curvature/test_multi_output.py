@@ -285,6 +285,16 @@ def test_per_output_sample_weights_give_the_weighted_sums_of_each_output_s(aux, 
     assert ref.rel_err(F, np.einsum("np,nq,n->pq", g, g, 1 / share)) < TOL
     mine = _flat_rows(kg.curvature.per_example_gradients(model, xs, labels, sample_weight=given))
     assert ref.rel_err(mine, g / share[:, None]) < TOL
+    # The backend's per-example map (layers without a rule) follows the rule too.
+    from keras_geosam.curvature import weights as token_weights
+    from keras_geosam.curvature.functional import model_functions
+
+    fns = model_functions(model)
+    sw_terms = token_weights.resolve(fns, xs, labels, given, None)
+    tensor = lambda t: keras.tree.map_structure(keras.ops.convert_to_tensor, t)  # noqa: E731
+    mapped = fns.kernel(fns.per_example_grads_body)(fns.params(), fns.non_trainable(), tensor(xs), tensor(labels),
+                                                    keras.ops.convert_to_tensor(sw_terms))
+    assert ref.rel_err(_flat_rows(mapped), g / share[:, None]) < TOL
     # One weight for both outputs is the (N,) weight; swapped weights differ.
     same = [w["cls"], w["cls"]]
     assert ref.rel_err(kg.curvature.GGN(model, xs, sample_weight=same).to_dense(),

@@ -67,7 +67,9 @@ class ModelOperator(LinearOperator):
         training: layers in training mode (default False).
         sample_weight: ``(N,)`` or per-token ``(N,) + positions`` weights;
             with the model's own mask they make the loss a weighted mean
-            over tokens (``keras_geosam.curvature.weights``); or, for several outputs, one per output (a list in output order or a dict by name; each output's loss is then its own weighted mean).
+            over tokens (``keras_geosam.curvature.weights``); or, for
+            several outputs, one per output (a list in output order or a
+            dict by name; each output's loss is then its own weighted mean).
     """
 
     needs_labels = True

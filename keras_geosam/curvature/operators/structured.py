@@ -228,7 +228,7 @@ class Diagonal(_Spectral, LinearOperator):
         return sum(ops.sum(v) for v in self.values)
 
     def top_eigenvalue(self):
-        return ops.max(ops.stack([ops.max(v) for v in self.values]))
+        return _diagonal_tops([self.values])[0]
 
     def masked(self, keep):
         """This operator where `keep` (a scalar boolean tensor or a Python
@@ -819,8 +819,8 @@ class BlockDiagonal(LinearOperator):
             if backend.is_concrete(keep):
                 # Read once on the host: a kept block stays as it is and a
                 # dropped one becomes zeros, with no kernel call per block
-                # (two per block were a third of the inverses' time over
-                # MobileNetV3Small's 284 blocks on TensorFlow).
+                # (500 of 1717 calls in MobileNetV3Small's K-FAC S_R on
+                # TensorFlow).
                 keep = [bool(k) for k in np.asarray(ops.convert_to_numpy(keep))]
             out = [o.masked(keep[i]) for i, o in enumerate(out)]
         return BlockDiagonal(out, self.paths)
