@@ -85,17 +85,32 @@ def _gram_kept_count(QA, s, null, rows, columns):
     return kept + rest * ops.cast(ops.not_equal(null, 0), "int32")
 
 
-# One program per block shape on JAX (eager, each op compiles per shape).
-_nonzero_kernel = backend.block_kernel(_nonzero_count)
-_gram_kept_kernel = backend.block_kernel(_gram_kept_count, static_argnames=("rows", "columns"))
+def _kept_total(values, grams, gram_views):
+    total = ops.zeros((), "int32")
+    for v in values:
+        total = total + _nonzero_count(v)
+    for (QA, s, null), (rows, columns) in zip(grams, gram_views):
+        total = total + _gram_kept_count(QA, s, null, rows, columns)
+    return total
 
 
-def _kept(block):
-    """Directions an inverse block keeps (nonzero scale): coordinates of a
+# One call for all blocks (one program on JAX): eagerly, each op compiles
+# per block shape, and on TensorFlow a call per block cost 0.2 s of
+# MobileNetV3Small's 1.5 s S_R.
+_kept_kernel = backend.block_kernel(_kept_total, static_argnames=("gram_views",))
+
+
+def _kept(blocks):
+    """Directions the inverse blocks keep (nonzero scale): coordinates of a
     diagonal block, Kronecker eigen-directions of a K-FAC / EK-FAC one."""
-    if isinstance(block, EKFAC) and block.null is not None:
-        return _gram_kept_kernel(block.QA, block.s, block.null, rows=block.view[0], columns=block.view[1])
-    return _nonzero_kernel(block.s if isinstance(block, EKFAC) else block.values[0])
+    values, grams, views = [], [], []
+    for block in blocks:
+        if isinstance(block, EKFAC) and block.null is not None:
+            grams.append((block.QA, block.s, block.null))
+            views.append(tuple(block.view))
+        else:
+            values.append(block.s if isinstance(block, EKFAC) else block.values[0])
+    return _kept_kernel(values, grams, gram_views=tuple(views))
 
 
 def _metric_info(M, Minv, damping, rcond):
@@ -110,7 +125,7 @@ def _metric_info(M, Minv, damping, rcond):
     The pseudo-inverse reuses the factors' cached eigendecompositions."""
     num_params = int(sum(int(np.prod(s)) for s in M.shapes))
     pinv = Minv if damping == 0 else M.inverse(0.0, relative=True, rcond=rcond)
-    counts = ops.convert_to_numpy(ops.stack([sum(_kept(b) for b in pinv.blocks), sum(_kept(b) for b in Minv.blocks)]))
+    counts = ops.convert_to_numpy(ops.stack([_kept(pinv.blocks), _kept(Minv.blocks)]))
     nonzero, used = int(counts[0]), int(counts[1])
     return {"num_params": num_params, "num_nonzero_fisher": nonzero, "num_zero_fisher": num_params - nonzero,
             "num_excluded": num_params - used}

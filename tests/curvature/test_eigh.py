@@ -159,3 +159,39 @@ def test_a_rounding_level_kfac_block_inverts_to_zero_not_nan():
     got = np.asarray(ops.convert_to_numpy(M.inverse(1e-3, relative=True).matvec(
         [np.ones((4, 3), "float32"), np.ones((2, 3), "float32")])[1]), "float64").ravel()
     assert np.abs(got - expected).max() < 1e-4 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("failure", ["raises", "nan"])
+def test_many_blocks_are_solved_in_one_call_and_a_failing_one_alone(monkeypatch, failure, float64):
+    """``symmetric_eighs`` tries every block in one call; the 4 x 4 block's
+    device solves all fail, so it alone ends on the host, and the others
+    are their own solver's answer (also when a raise stopped the call)."""
+    blocks = [_spd(3, 5), _spd(4, 6), _spd(3, 7)]
+    solo = [_ORIGINAL(ops.convert_to_tensor(m, "float64")) for m in blocks]
+
+    def flaky(x):
+        if int(x.shape[-1]) == 4:
+            if failure == "raises":
+                raise RuntimeError("linalg.eigh: The algorithm failed to converge")
+            w, v = _ORIGINAL(x)
+            return w * float("nan"), v
+        return _ORIGINAL(x)
+
+    calls = []
+    kernel = eigh_module._device_solve_kernel
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[0]))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "eigh", flaky)
+    monkeypatch.setattr(eigh_module, "_device_solve_kernel", counted)
+    found = eigh_module.symmetric_eighs([ops.convert_to_tensor(m, "float64") for m in blocks], ["a", "b", "c"])
+    assert calls[0] == 3  # all three in the first call
+    # After a raise, each block has its own try: the healthy ones succeed.
+    assert calls[1:] == ([] if failure == "nan" else [1, 1, 1])
+    for m, (w, v), (w0, _) in zip(blocks, found, solo):
+        assert np.abs(_reconstruct(w, v) - m).max() < 1e-10 * np.abs(m).max()
+        assert np.allclose(ops.convert_to_numpy(w), np.linalg.eigvalsh(m), rtol=1e-10, atol=1e-12)
+    for i in (0, 2):  # TensorFlow's eager solver is NumPy's, its traced one its own
+        np.testing.assert_allclose(ops.convert_to_numpy(found[i][0]), ops.convert_to_numpy(solo[i][0]), rtol=1e-12)

@@ -867,6 +867,56 @@ def test_blocks_far_below_the_largest_invert_to_zero_and_the_rest_as_alone():
                 assert not np.any(o.to_dense()) and np.any(alone), method  # teeth: alone it is not zero
 
 
+
+def test_many_blocks_invert_in_a_few_calls_as_each_alone(monkeypatch):
+    """With one damping, ``BlockDiagonal`` inverts the blocks of one class
+    together: every factor's eigendecomposition in one solver call, each
+    block's inverse that of the dense matrix and the same as the per-block
+    path (a damping per block) gives, whatever the blocks' order, sizes and
+    kinds (several tensors of a diagonal, K-FAC of equal and unequal
+    views, a Gram-built one, a diagonal input factor, EK-FAC, dense)."""
+    from keras_geosam.curvature.operators import eigh as eigh_module
+
+    tol = tol_for(*STRUCT_OPS)
+    rng = np.random.default_rng(12)
+    R = rng.normal(size=(2, 4))  # 2 rows < 4 columns: the Gram path
+    A1, B1, A2, B2, A3, B3 = (_sym_psd(rng, n) for n in (3, 2, 3, 2, 2, 3))
+    B4, B5, a6 = _sym_psd(rng, 3), _sym_psd(rng, 2), rng.uniform(0.5, 2.0, size=3)
+    QA, QG, s = _orthogonal(rng, 2), _orthogonal(rng, 2), rng.uniform(0.2, 2.0, size=(2, 2))
+    d1, d2 = rng.uniform(0.5, 2.0, size=(2, 3)), rng.uniform(0.5, 2.0, size=(4,))
+    blocks = [
+        cv.KFAC(*tensors([A1, B1]), (3, 2)),
+        cv.Diagonal(tensors([d1, d2])),
+        cv.KFAC.from_rows(*tensors([R, B4]), (4, 3)),
+        cv.KFAC(*tensors([A2, B2]), (3, 2)),
+        cv.EKFAC(*tensors([QA, QG, s]), (2, 2), orthogonal=True),
+        cv.DiagonalInputKFAC(*tensors([a6, B5]), (3, 2)),
+        cv.KFAC(*tensors([A3, B3]), (2, 3)),
+    ]
+    parts = [np.kron(A1, B1), np.diag(np.concatenate([d1.ravel(), d2])), np.kron(R.T @ R, B4), np.kron(A2, B2),
+             np.kron(QA, QG) @ np.diag(s.ravel()) @ np.kron(QA, QG).T, np.kron(np.diag(a6), B5), np.kron(A3, B3)]
+    calls = []
+    kernel = eigh_module._device_solve_kernel
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[0]))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(eigh_module, "_device_solve_kernel", counted)
+    op = cv.BlockDiagonal(blocks)
+    damping = 0.05
+    for method, fn in (("inverse", _inv), ("inverse_sqrt", _inv_sqrt)):
+        together = getattr(op, method)(damping)
+        assert rel(together.to_dense(), scipy.linalg.block_diag(*[fn(p, damping) for p in parts])) < tol, method
+        for relative in (False, True):
+            together = getattr(op, method)(damping, relative=relative).to_dense()
+            one_by_one = getattr(cv.BlockDiagonal(blocks), method)([damping] * len(blocks), relative=relative).to_dense()
+            assert rel(together, one_by_one) < 1e-12 * max(1.0, np.abs(one_by_one).max()) or np.allclose(together, one_by_one, rtol=tol), method
+    # Each factor decomposed once, cached on its block: the K-FAC blocks'
+    # eight (three pairs, the Gram matrix and its output factor) in one
+    # call, the diagonal-input class's output factor in another.
+    assert calls == [8, 1]
+
 # ------------------------------------------------------ 5. composition ----
 def test_composition_and_checks():
     tol = tol_for(*STRUCT_OPS)
