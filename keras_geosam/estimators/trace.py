@@ -62,8 +62,11 @@ def quadratic_forms(op, start, count, seed, stream="hutchinson"):
     step = _block_size(op)
     for s in range(start, start + count, step):
         k = min(step, start + count - s)
-        z = probes.rademacher(seed, s, k, op.shapes, op.dtype, stream)
-        out.append(np.asarray(ops.convert_to_numpy(_inner(*op.quadratic_pair(z))), dtype="float64"))
+        # The probes are handed over, not kept: a composed S A S lets them
+        # go once S z exists.
+        pair = op.quadratic_pair(probes.rademacher(seed, s, k, op.shapes, op.dtype, stream), consume=True)
+        out.append(np.asarray(ops.convert_to_numpy(_inner(*pair)), dtype="float64"))
+        del pair
     return np.concatenate(out, axis=0)
 
 
@@ -227,8 +230,8 @@ class Deflated(LinearOperator):
     def matmat(self, vectors):
         return self.project(self.op.matmat(self.project(self.check(vectors))))
 
-    def quadratic_pair(self, vectors):
-        return self.op.quadratic_pair(self.project(vectors))
+    def quadratic_pair(self, vectors, consume=False):
+        return self.op.quadratic_pair(self.project(vectors), consume=True)
 
 
 def deflated_hutchinson(op, num_probes=10, rtol=None, max_probes=200, seed=0, shift=0.0, paths=None, bar=None,

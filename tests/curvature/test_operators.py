@@ -977,6 +977,25 @@ def test_composition_and_checks():
         Kop.to_dense(max_dim=5)
 
 
+def test_a_sandwich_s_quadratic_pair_lets_the_probes_go_when_handed_over():
+    """``(S z, A S z)`` for ``S A S`` with a symmetric per-tensor S: the same
+    inner products as ``z . (S A S z)``; handed over (`consume`), the
+    probe list is emptied once S z exists (a copy of the weights less during
+    A's product), and kept otherwise."""
+    tol = tol_for(*STRUCT_OPS)
+    rng = np.random.default_rng(13)
+    S = cv.KFAC(*tensors([_sym_psd(rng, 3), _sym_psd(rng, 2)]), (3, 2)).inverse_sqrt(0.1)
+    A = cv.Dense(tensors([_sym_psd(rng, 6)])[0], [(3, 2)])
+    op = S @ A @ S
+    Z = rng.choice([-1.0, 1.0], size=(4, 6))
+    expected = np.einsum("kj,kj->k", Z, Z @ op.to_dense().T)
+    for consume in (False, True):
+        z = split_flat(Z, [(3, 2)])
+        u, w = op.quadratic_pair(z, consume=consume)
+        got = np.einsum("kj,kj->k", ref.flatten_rows(u), ref.flatten_rows(w))
+        assert rel(got, expected) < tol
+        assert len(z) == (0 if consume else 1)
+
 def test_model_operator_checks_vectors():
     case = get_case("sigmoid_mlp")
     H = cv.Hessian(case.model, case.x, case.y, batch_size=case.batch_size)

@@ -161,9 +161,11 @@ class LinearOperator:
     # tensor, and a quadratic form needs one product with S, not two.
     symmetric_per_tensor = False
 
-    def quadratic_pair(self, vectors):
+    def quadratic_pair(self, vectors, consume=False):
         """``(u, w)`` with ``z_i . (self z)_i = u_i . w_i`` for every tensor i
-        of each vector z of the block `vectors`: ``(z, self z)`` here."""
+        of each vector z of the block `vectors`: ``(z, self z)`` here.
+        `consume`: the caller holds no other reference to the list
+        `vectors`, which may be emptied once no longer needed."""
         return vectors, self.matmat(vectors)
 
     # ------------------------------------------------------- checking ----
@@ -260,14 +262,18 @@ class Product(LinearOperator):
             vectors = f.matmat(vectors)
         return vectors
 
-    def quadratic_pair(self, vectors):
+    def quadratic_pair(self, vectors, consume=False):
         """``S @ A @ S`` with one symmetric, per-tensor S (a metric's
         ``inverse_sqrt`` around a curvature operator): ``(S z, A S z)``,
-        one product with S instead of two, the same per-tensor values."""
+        one product with S instead of two, the same per-tensor values. With
+        `consume`, the probes z are let go once S z is formed: a copy of the
+        weights less while A's product runs (its peak, at GPT-2 size)."""
         first, *middle, last = self.factors
         if first is not last or not first.symmetric_per_tensor or not middle:
             return super().quadratic_pair(vectors)
         u = w = first.matmat(vectors)
+        if consume:
+            vectors.clear()
         for f in reversed(middle):
             w = f.matmat(w)
         return u, w
