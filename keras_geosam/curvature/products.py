@@ -92,8 +92,10 @@ def loss_and_gradient(model, x, y, params=None, loss=None, batch_size=None, trai
     for (xb, yb, nb), swb in zip(batches(x, y, batch_size), token_weights.batch_slices(weights, n, batch_size, _dtype(fns))):
         lb, gb = kernel(p, fns.non_trainable(), xb, yb, swb)
         w = nb / n if swb is None else 1.0  # a weighted batch returns its share
-        value = value + w * lb
-        grads = [w * g for g in gb] if grads is None else [a + w * g for a, g in zip(grads, gb)]
+        if w != 1.0:  # one whole batch is not multiplied (an eager op per tensor)
+            lb, gb = w * lb, [w * g for g in gb]
+        value = lb if grads is None else value + lb
+        grads = list(gb) if grads is None else [a + g for a, g in zip(grads, gb)]
     return value, grads
 
 

@@ -143,6 +143,22 @@ def _diagonal_tops_body(values):
 _diagonal_tops = backend.block_kernel(_diagonal_tops_body)
 
 
+def _diagonal_trace_body(values):
+    return sum(ops.sum(v) for v in values)
+
+
+def _kfac_trace_body(full, gram, diagonal):
+    # tr(A kron B) = tr A tr B, tr A from A itself, its rows (A = R^T R) or
+    # its diagonal; each a list of (A's source, B) pairs.
+    return ([ops.trace(A) * ops.trace(B) for A, B in full] + [ops.sum(ops.square(R)) * ops.trace(B) for R, B in gram]
+            + [ops.sum(a) * ops.trace(B) for a, B in diagonal])
+
+
+# A metric's trace (its finiteness check) in one call per class.
+_diagonal_traces = backend.block_kernel(_each(_diagonal_trace_body))
+_kfac_traces = backend.block_kernel(_kfac_trace_body)
+
+
 def _gram_body(R):
     return ops.einsum("rm,sm->rs", R, R)
 
@@ -252,7 +268,11 @@ class Diagonal(_Spectral, LinearOperator):
         return list(self.values)
 
     def trace(self):
-        return sum(ops.sum(v) for v in self.values)
+        return self._traces_many([self])[0]
+
+    @classmethod
+    def _traces_many(cls, blocks):
+        return _diagonal_traces([b.values for b in blocks])
 
     def top_eigenvalue(self):
         return self._top_eigenvalues_many([self])[0]
@@ -396,7 +416,26 @@ class KFAC(_Spectral, LinearOperator):
         return [ops.reshape(d, self.shapes[0])]
 
     def trace(self):
-        return ops.sum(self._input_diagonal()) * ops.trace(self.B)
+        return self._traces_many([self])[0]
+
+    @classmethod
+    def _traces_many(cls, blocks):
+        def source(b):
+            if b.diagonal_input:
+                return "diagonal", b.A
+            if b.rows is not None and b._A is None:
+                return "gram", b.rows
+            return "full", b.A
+
+        kinds = {"full": [], "gram": [], "diagonal": []}
+        order = []
+        for b in blocks:
+            kind, first = source(b)
+            order.append((kind, len(kinds[kind])))
+            kinds[kind].append((first, b.B))
+        found = _kfac_traces(kinds["full"], kinds["gram"], kinds["diagonal"])
+        start = {"full": 0, "gram": len(kinds["full"]), "diagonal": len(kinds["full"]) + len(kinds["gram"])}
+        return [found[start[kind] + j] for kind, j in order]
 
     def eigh(self):
         """Eigenvalues and eigenvectors of both (symmetrised) factors, computed
@@ -849,7 +888,12 @@ class BlockDiagonal(LinearOperator):
         return [d for b in self.blocks for d in b.diagonal()]
 
     def trace(self):
-        return sum(b.trace() for b in self.blocks)
+        total = None
+        for many, members in self._by_class("_traces_many").items():
+            blocks = [self.blocks[i] for i in members]
+            for t in (many(blocks) if many else [b.trace() for b in blocks]):
+                total = t if total is None else total + t
+        return total
 
     def _per_block(self, damping):
         if isinstance(damping, (list, tuple)):
