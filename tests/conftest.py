@@ -90,3 +90,20 @@ def step_branching(request, monkeypatch):
 
         monkeypatch.setattr(torch_backend, "BRANCH_FREE", True)
     return request.param
+
+
+@pytest.fixture
+def solver_calls(monkeypatch):
+    """The factors in each call of the eigensolver's first-try kernel (a
+    list, one entry per call), counted while the test runs."""
+    from keras_geosam.curvature.operators import eigh
+
+    calls = []
+    kernel = eigh._device_solve_kernel
+
+    def counted(matrices, **kwargs):
+        calls.append(len(matrices))
+        return kernel(matrices, **kwargs)
+
+    monkeypatch.setattr(eigh, "_device_solve_kernel", counted)
+    return calls

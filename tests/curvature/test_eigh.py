@@ -162,7 +162,7 @@ def test_a_rounding_level_kfac_block_inverts_to_zero_not_nan():
 
 
 @pytest.mark.parametrize("failure", ["raises", "nan"])
-def test_many_blocks_are_solved_in_one_call_and_a_failing_one_alone(monkeypatch, failure, float64):
+def test_many_blocks_are_solved_in_one_call_and_a_failing_one_alone(monkeypatch, failure, float64, solver_calls):
     """``symmetric_eighs`` tries every block in one call; the 4 x 4 block's
     device solves all fail, so it alone ends on the host, and the others
     are their own solver's answer (also when a raise stopped the call)."""
@@ -177,15 +177,8 @@ def test_many_blocks_are_solved_in_one_call_and_a_failing_one_alone(monkeypatch,
             return w * float("nan"), v
         return _ORIGINAL(x)
 
-    calls = []
-    kernel = eigh_module._device_solve_kernel
-
-    def counted(*args, **kwargs):
-        calls.append(len(args[0]))
-        return kernel(*args, **kwargs)
-
+    calls = solver_calls
     monkeypatch.setattr(backend, "eigh", flaky)
-    monkeypatch.setattr(eigh_module, "_device_solve_kernel", counted)
     found = eigh_module.symmetric_eighs([ops.convert_to_tensor(m, "float64") for m in blocks], ["a", "b", "c"])
     assert calls[0] == 3  # all three in the first call
     # After a raise, each block has its own try: the healthy ones succeed.
