@@ -231,6 +231,7 @@ class Deflated(LinearOperator):
         return self.project(self.op.matmat(self.project(self.check(vectors))))
 
     def quadratic_pair(self, vectors, consume=False):
+        # The projection is a new list, held by no one else.
         return self.op.quadratic_pair(self.project(vectors), consume=True)
 
 

@@ -894,6 +894,9 @@ def test_many_blocks_invert_in_a_few_calls_as_each_alone(solver_calls):
     parts = [np.kron(A1, B1), np.diag(np.concatenate([d1.ravel(), d2])), np.kron(R.T @ R, B4), np.kron(A2, B2),
              np.kron(QA, QG) @ np.diag(s.ravel()) @ np.kron(QA, QG).T, np.kron(np.diag(a6), B5), np.kron(A3, B3)]
     op = cv.BlockDiagonal(blocks)
+    # the trace, one call per class, is the dense one's
+    trace = float(ops.convert_to_numpy(op.trace()))
+    assert trace == pytest.approx(sum(np.trace(p) for p in parts), rel=tol)
     damping = 0.05
     for method, fn in (("inverse", _inv), ("inverse_sqrt", _inv_sqrt)):
         together = getattr(op, method)(damping)

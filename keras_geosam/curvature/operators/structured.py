@@ -501,7 +501,7 @@ def _kfac_eighs(blocks):
     todo = [b for b in blocks if getattr(b, "_eigh", None) is None]
     if not todo:
         return
-    grams = [b for b in todo if not b.diagonal_input and b.gram]
+    grams = [b for b in todo if b.gram]
     gram_matrices = iter(_grams([b.rows for b in grams]) if grams else [])
     matrices, whats = [], []
     for b in todo:
@@ -521,7 +521,7 @@ def _kfac_eighs(blocks):
         inputs.append((b.A, None) if b.diagonal_input else next(solved))
         outputs.append(next(solved))
     if grams:
-        at = [i for i, b in enumerate(todo) if b.gram and not b.diagonal_input]
+        at = [i for i, b in enumerate(todo) if b.gram]
         bases = _gram_bases([todo[i].rows for i in at], [inputs[i][0] for i in at], [inputs[i][1] for i in at])
         for i, basis in zip(at, bases):
             inputs[i] = tuple(basis)
@@ -909,9 +909,9 @@ class BlockDiagonal(LinearOperator):
         return self._blockwise("inverse_sqrt", damping, relative, rcond, block_rcond)
 
     def _by_class(self, method):
-        """Block indices grouped by their class's `method` (a classmethod of
-        ``_Spectral`` taking a list of blocks), in order; blocks without it
-        under None."""
+        """Block indices grouped by their class's `method` (a classmethod
+        taking a list of blocks: ``_spectral_many``, ``_traces_many``, ...),
+        in order; blocks without it under None."""
         groups = {}
         for i, b in enumerate(self.blocks):
             groups.setdefault(getattr(type(b), method, None), []).append(i)
@@ -948,7 +948,7 @@ class BlockDiagonal(LinearOperator):
         out = None
         if not isinstance(damping, (list, tuple)):
             try:
-                out = self._grouped({"inverse": 1, "inverse_sqrt": 0.5}[method], damping, relative, rcond)
+                out = self._grouped(method, damping, relative, rcond)
             except EigenDecompositionError:
                 out = None  # the loop below raises again, naming the block
         if out is None:
@@ -971,9 +971,9 @@ class BlockDiagonal(LinearOperator):
             out = [o.masked(keep[i]) for i, o in enumerate(out)]
         return BlockDiagonal(out, self.paths)
 
-    def _grouped(self, power, damping, relative, rcond):
+    def _grouped(self, method, damping, relative, rcond):
         out = [None] * len(self.blocks)
-        method = "inverse" if power == 1 else "inverse_sqrt"
+        power = {"inverse": 1, "inverse_sqrt": 0.5}[method]
         for many, members in self._by_class("_spectral_many").items():
             blocks = [self.blocks[i] for i in members]
             found = many(blocks, damping, relative, power, rcond) if many else [getattr(b, method)(damping, relative, rcond) for b in blocks]
